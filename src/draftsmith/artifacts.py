@@ -1,0 +1,282 @@
+"""Run-directory artifacts: atomic writes, fingerprints, manifests, the ledger.
+
+The run directory is the contract between stages (DESIGN.md §2). Every file a stage
+produces is written to a temporary name in the same folder, fsynced and renamed, so a
+reader never sees half a file. A shard is listed in its stage's manifest only after it
+is complete, with its checksum; a manifest is the only thing a later stage trusts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+MANIFEST = "manifest.json"
+LEDGER = "ledger.jsonl"
+
+
+class DraftsmithError(Exception):
+    """A user-facing error: one line naming the file, the record and the fix.
+
+    The CLI prints it as `error: <message>` and exits with status 2, without a traceback.
+    """
+
+
+# ----------------------------------------------------------------------------- atomic I/O
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DraftsmithError(f"{path}: cannot write ({e.strerror or e}); free disk space or fix permissions and rerun") from e
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+
+
+def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str, str] | None = None) -> str:
+    """Save tensors atomically as safetensors; returns the file's sha256."""
+    from safetensors.torch import save
+
+    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    atomic_write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DraftsmithError(f"{path}: file not found; run the stage that writes it first") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DraftsmithError(f"{path}: not valid JSON ({e}); delete it and rerun the stage that writes it") from None
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and obj != obj:  # NaN is not JSON
+        return None
+    return obj
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts (configs, input fingerprints)."""
+    blob = json.dumps([to_jsonable(p) for p in parts], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def fingerprint_path(path: str | Path) -> str:
+    """Fingerprint a file or a folder by names, sizes and content hashes of its files."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)[:16]
+    if not path.is_dir():
+        raise DraftsmithError(f"{path}: not found; give an existing file or folder")
+    entries = []
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            entries.append((str(p.relative_to(path)), p.stat().st_size, sha256_file(p)[:16]))
+    return fingerprint(entries)
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("draftsmith", "torch", "transformers", "safetensors", "tokenizers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def hardware_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
+                            "cpu_count": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # hardware info must never stop a stage
+        pass
+    return info
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def stage_dir(run_dir: str | Path, stage: str) -> Path:
+    return Path(run_dir) / stage
+
+
+def load_manifest(directory: str | Path) -> dict | None:
+    """The manifest of a stage folder, or None when the stage has not written one."""
+    p = Path(directory) / MANIFEST
+    if not p.exists():
+        return None
+    m = read_json(p)
+    if not isinstance(m, dict) or "status" not in m or "fingerprint" not in m:
+        raise DraftsmithError(f"{p}: not a draftsmith manifest (no status/fingerprint); delete the folder {p.parent} and rerun")
+    return m
+
+
+def require_complete(directory: str | Path, what: str) -> dict:
+    """Manifest of an upstream stage that must be complete, else a one-line error."""
+    m = load_manifest(directory)
+    if m is None or m.get("status") != "complete":
+        state = "missing" if m is None else m.get("status")
+        raise DraftsmithError(f"{Path(directory) / MANIFEST}: {what} stage is {state}; run `draftsmith {what}` (or `draftsmith run`) first")
+    return m
+
+
+def new_manifest(stage: str, fp: str, config: Any, inputs: dict[str, str]) -> dict:
+    return {
+        "stage": stage,
+        "status": "running",
+        "fingerprint": fp,
+        "config": to_jsonable(config),
+        "inputs": inputs,
+        "versions": package_versions(),
+        "hardware": hardware_info(),
+        "started_at": time.time(),
+        "counts": {},
+        "timings": {},
+        "metrics": {},
+        "shards": [],
+    }
+
+
+def write_manifest(directory: str | Path, manifest: dict) -> None:
+    atomic_write_json(Path(directory) / MANIFEST, manifest)
+
+
+def finish_manifest(directory: str | Path, manifest: dict) -> dict:
+    manifest["status"] = "complete"
+    manifest["finished_at"] = time.time()
+    manifest["timings"].setdefault("wall_s", round(manifest["finished_at"] - manifest["started_at"], 3))
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def verify_shards(directory: str | Path, manifest: dict, check_hash: bool = True) -> list[Path]:
+    """Paths of the manifest's shards, each checked to exist (and match its sha256)."""
+    directory = Path(directory)
+    paths = []
+    for s in manifest.get("shards", []):
+        p = safe_join(directory, s["file"])
+        if not p.exists():
+            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; delete {directory} and rerun its stage")
+        if check_hash and sha256_file(p) != s["sha256"]:
+            raise DraftsmithError(f"{p}: checksum does not match {directory / MANIFEST}; the shard is corrupt, delete {directory} and rerun its stage")
+        paths.append(p)
+    return paths
+
+
+def safe_join(root: str | Path, rel: str) -> Path:
+    """Join a manifest-relative path to root, refusing anything that escapes root."""
+    root = Path(root).resolve()
+    p = (root / rel).resolve()
+    if p != root and root not in p.parents:
+        raise DraftsmithError(f"{root / MANIFEST}: path {rel!r} escapes the run directory; the manifest was edited, delete it and rerun")
+    return p
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+class Ledger:
+    """Append-only JSONL log of what happened in a run: stage events, measurements, decisions."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / LEDGER
+
+    def append(self, event: str, **fields: Any) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        rec = {"time": round(time.time(), 3), "event": event, **to_jsonable(fields)}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[dict]:
+        """All complete records; a torn last line (a crash mid-append) is ignored."""
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+
+def iter_lines(path: Path) -> Iterable[tuple[int, str]]:
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            yield i, raw.decode("utf-8", errors="strict") if raw else ""
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

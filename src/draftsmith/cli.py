@@ -1,0 +1,119 @@
+"""`draftsmith` command line. Flags and YAML recipes are generated from config.py's dataclasses.
+
+    draftsmith run recipes/quickstart.yaml            # every stage, skip what is done
+    draftsmith train recipes/quickstart.yaml --train.max_steps 50
+    draftsmith status runs/quickstart
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .artifacts import DraftsmithError
+from .config import STAGES, Recipe
+
+STAGE_HELP = {
+    "prepare": "conversations -> token shards with assistant-only loss masks",
+    "capture": "target forward -> aux hidden-state shards",
+    "vocab": "draft vocabulary (d2t / t2d) from token frequencies",
+    "train": "train the EAGLE-3 drafter with training-time test",
+    "evaluate": "speculative decoding: acceptance length and speedup vs plain decoding",
+    "export": "write SGLang / vLLM drafter folders",
+    "run": "every stage in order (skips complete stages, resumes a half-done one)",
+}
+RECIPE_COMMANDS = tuple(STAGE_HELP)
+
+
+def _recipe_parser(prog: str, description: str):
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    p = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False)
+    p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
+    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
+    p.add_class_arguments(Recipe, None, fail_untyped=True)
+    return p
+
+
+def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
+    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`."""
+    import warnings
+
+    if argv and not argv[0].startswith("-"):
+        path = Path(argv[0])
+        if not path.exists():
+            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
+        argv = ["--config", str(path), *argv[1:]]
+    p = _recipe_parser(prog, "")
+    try:
+        cfg = p.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:
+        where = argv[1] if argv[:1] == ["--config"] else "command line"
+        msg = " ".join(str(e).split())
+        raise DraftsmithError(f"{where}: {msg}; fix the key or value (see `draftsmith run --help`)") from None
+    force = bool(cfg.pop("force", False))
+    cfg.pop("config", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        init = p.instantiate_classes(cfg)
+    recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
+    return recipe, force
+
+
+def _print_help() -> None:
+    print("usage: draftsmith COMMAND [RECIPE.yaml] [--section.key value ...]\n")
+    print("commands:")
+    for name, text in STAGE_HELP.items():
+        print(f"  {name:<10} {text}")
+    print(f"  {'status':<10} state of the project for a run directory (Markdown + JSON)")
+    print("\n`draftsmith COMMAND --help` lists every recipe key with its help.")
+
+
+def cmd_status(argv: list[str]) -> int:
+    from . import status
+
+    p = argparse.ArgumentParser(prog="draftsmith status")
+    p.add_argument("run_dir", help="run directory (runs/NAME)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    a = p.parse_args(argv)
+    print(status.render(Path(a.run_dir), as_json=a.json))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        _print_help()
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "status":
+            return cmd_status(rest)
+        if command not in RECIPE_COMMANDS:
+            raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join(RECIPE_COMMANDS + ('status',))}")
+        if "-h" in rest or "--help" in rest:
+            _recipe_parser(f"draftsmith {command}", STAGE_HELP[command]).print_help()
+            return 0
+        recipe, force = parse_recipe(rest, prog=f"draftsmith {command}")
+        from . import pipeline
+
+        if command == "run":
+            for stage in STAGES:
+                pipeline.run_stage(stage, recipe, force=force)
+            from . import status
+
+            print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
+        else:
+            pipeline.run_stage(command, recipe, force=force)
+        return 0
+    except DraftsmithError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The EAGLE-3 drafter (Llama-style): a pure nn.Module. No optimizer, no loop, no process groups.
+
+    h0   = fc(cat(aux_1, aux_2, aux_3))                 # 3*H_t -> H, first draft step only
+    x    = cat(input_layernorm(embed(tok)), hidden_norm(h))   # width 2H, into q/k/v
+    h'   = h + o_proj(attn(x))                           # residual is h, not x
+    g    = h' + mlp(post_attention_layernorm(h'))        # pre-norm output, fed to the next step
+    logits = lm_head(norm(g))                            # over the draft vocab
+
+Row t of a draft step pairs the hidden state of position t with the token at t+1 and
+predicts the token at t+2; its rotary position is t (shifted by i at TTT step i).
+Names follow SGLang's LlamaForCausalLMEagle3 (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # target vocab (embedding rows)
+    draft_vocab_size: int
+    num_aux_layers: int = 3
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    aux_layer_ids: list[int] = field(default_factory=list)  # internal convention (outputs of layer i)
+    target_num_layers: int = 0
+
+    def save(self, path: str | Path) -> None:
+        from ..artifacts import atomic_write_json
+
+        atomic_write_json(path, asdict(self))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Eagle3Config":
+        from ..artifacts import read_json
+
+        d = read_json(path)
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin of shape [B, T, head_dim] for integer positions [B, T] (HF 'rotate_half' layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, nH, T, hd]; cos/sin: [B, T, hd]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * H, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * H, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, H, bias=False)
+
+    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """Project and rotate: q [B, nh, T, hd], k/v [B, nkv, T, hd]."""
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        B, nh, T, hd = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = nn.ModuleDict(dict(
+            gate_proj=nn.Linear(H, cfg.intermediate_size, bias=False),
+            up_proj=nn.Linear(H, cfg.intermediate_size, bias=False),
+            down_proj=nn.Linear(cfg.intermediate_size, H, bias=False)))
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = hidden + attn_out
+        x = self.post_attention_layernorm(h)
+        m = self.mlp
+        return h + m["down_proj"](F.silu(m["gate_proj"](x)) * m["up_proj"](x))
+
+
+class DraftKVCache:
+    """Key/value cache of the drafter for inference: [B, nkv, S, hd] per tensor.
+
+    `crop(n)` drops everything after the first n positions (rejected drafts)."""
+
+    def __init__(self):
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # d2t[i] is an offset: target_id = i + d2t[i]; t2d is a mask over the target vocab.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    # -- pieces shared by training and inference ------------------------------------------
+
+    def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[.., n_aux * H_t] target aux states -> [.., H] drafter hidden (first step only)."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(g))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- inference: one pass of the decoder layer with a KV cache -------------------------
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                cache: Optional[DraftKVCache] = None, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One drafter step over T new rows.
+
+        input_ids [B, T] (token t+1 of each row), hidden [B, T, H] (fc(aux) or a previous g),
+        position_ids [B, T]. With a cache, the new keys are appended and the rows attend to
+        all cached rows plus, causally, each other; `attn_mask` [B or 1, T, S_total] (True =
+        attend) overrides that (tree drafting). Returns g [B, T, H] (pre-norm)."""
+        layer = self.midlayer
+        attn = layer.self_attn
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = layer.attn_input(emb, hidden)
+        q, k, v = attn.qkv(x, position_ids)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)
+        T, S = q.shape[2], k.shape[2]
+        if attn_mask is None:
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=past)[None]
+        n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        o = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+                                           attn_mask=attn_mask[:, None])
+        return layer.finish(hidden, attn.out(o))
+
+    # -- training: the same layer unrolled for TTT ----------------------------------------
+
+    def ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Training-time-test step i = len(ttt_cache) over full rows [B, L].
+
+        Row t attends to step-0 keys at rows <= t (causal) and to its own row's keys from
+        steps 1..i. Appends this step's (k, v) to ttt_cache. Reference implementation: it
+        builds the [L, L] step-0 scores plus i diagonal scores per row."""
+        layer = self.midlayer
+        attn = layer.self_attn
+        c = self.cfg
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)
+        x = layer.attn_input(emb, hidden)
+        q, k, v = attn.qkv(x, position_ids)
+        ttt_cache.append((k, v))
+        n_rep = c.num_attention_heads // c.num_key_value_heads
+        k0, v0 = (repeat_kv(t, n_rep) for t in ttt_cache[0])
+        scale = 1.0 / math.sqrt(c.head_dim)
+        L = q.shape[2]
+        s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, L, L]
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [((q * repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale) for kj, _ in ttt_cache[1:]]
+        s = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)
+        o = s[..., :L] @ v0
+        for j, (_, vj) in enumerate(ttt_cache[1:]):
+            o = o + s[..., L + j:L + j + 1] * repeat_kv(vj, n_rep)
+        return layer.finish(hidden, attn.out(o))
+
+
+def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """Load a drafter saved by the train stage (config.json + model.safetensors)."""
+    from safetensors.torch import load_file
+
+    from ..artifacts import DraftsmithError
+
+    folder = Path(folder)
+    cfg = Eagle3Config.load(folder / "config.json")
+    model = Eagle3Drafter(cfg)
+    state = load_file(str(folder / "model.safetensors"))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    bad = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    if missing or extra or bad:
+        what = "; ".join(f"{n}: {', '.join(v[:4])}{'...' if len(v) > 4 else ''}"
+                         for n, v in (("missing", missing), ("unexpected", extra), ("wrong shape", bad)) if v)
+        raise DraftsmithError(f"{folder / 'model.safetensors'}: not a drafter for {folder / 'config.json'} ({what}); retrain or re-export it")
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_drafter(model: Eagle3Drafter, folder: str | Path) -> str:
+    """Write config.json + model.safetensors atomically; returns the weights' sha256."""
+    from ..artifacts import atomic_save_safetensors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    sha = atomic_save_safetensors(folder / "model.safetensors",
+                                  {k: v.detach().cpu() for k, v in model.state_dict().items()})
+    model.cfg.save(folder / "config.json")
+    return sha

@@ -1,0 +1,130 @@
+"""Runs stages in order into a run directory: skip what is done, resume what is half done.
+
+Each stage module exposes `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
+covers its own config section, the target, and the fingerprints of the stages it reads;
+a complete manifest with the same fingerprint means the stage is skipped. A stage whose
+manifest says `running` with the same fingerprint resumes from what it listed; one with
+another fingerprint starts over in a clean folder.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, load_manifest, log,
+                        to_jsonable)
+from .config import STAGES, Recipe
+
+# stage -> (module, config sections it depends on, upstream stages)
+STAGE_DEPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "prepare": ("draftsmith.data.prepare", ("prepare",), ()),
+    "capture": ("draftsmith.target.capture", ("capture",), ("prepare",)),
+    "vocab": ("draftsmith.vocab", ("vocab",), ("prepare",)),
+    "train": ("draftsmith.train.loop", ("draft", "train", "seed"), ("capture", "vocab")),
+    "evaluate": ("draftsmith.evaluate", ("evaluate",), ("train",)),
+    "export": ("draftsmith.export", ("export",), ("train",)),
+}
+
+
+def target_fingerprint(recipe: Recipe) -> str:
+    """Fingerprint of the target: its config, tokenizer and weight files (names and sizes),
+    and the settings that change what it computes. Content hashes of multi-GB weights
+    would cost minutes, so weights count by name and size."""
+    t = recipe.target
+    root = Path(t.path)
+    if not (root / "config.json").exists():
+        raise DraftsmithError(f"{root / 'config.json'}: target model not found; set target.path to a local Hugging Face model folder")
+    parts = []
+    for p in sorted(root.iterdir()):
+        if p.is_file() and not p.name.startswith("."):
+            if p.suffix in (".json", ".jinja", ".model", ".txt", ".py"):
+                parts.append((p.name, hash_bytes(p.read_bytes())))
+            else:
+                parts.append((p.name, p.stat().st_size))
+    return fingerprint(parts, t.aux_layer_ids, t.dtype)
+
+
+def hash_bytes(b: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(b).hexdigest()[:16]
+
+
+def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
+    _, sections, upstream = STAGE_DEPS[stage]
+    up = {}
+    for u in upstream:
+        m = load_manifest(run_dir / u)
+        up[u] = m["fingerprint"] if m and m.get("status") == "complete" else None
+    cfg = {s: getattr(recipe, s) for s in sections}
+    return fingerprint(stage, cfg, target_fingerprint(recipe), up)
+
+
+def stage_status(run_dir: Path, stage: str) -> str:
+    m = load_manifest(run_dir / stage)
+    return "pending" if m is None else m.get("status", "pending")
+
+
+def write_recipe(recipe: Recipe, run_dir: Path) -> None:
+    atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(to_jsonable(recipe), sort_keys=False))
+
+
+def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
+    """Run one stage (skipping it when complete for the same inputs). Returns its manifest."""
+    run_dir = Path(recipe.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_recipe(recipe, run_dir)
+    ledger = Ledger(run_dir)
+    module_name, _, upstream = STAGE_DEPS[stage]
+    for u in upstream:
+        if stage_status(run_dir, u) != "complete":
+            raise DraftsmithError(f"{run_dir / u / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
+    fp = stage_fingerprint(stage, recipe, run_dir)
+    out_dir = run_dir / stage
+    m = load_manifest(out_dir)
+    if m is not None and not force:
+        if m["status"] == "complete" and m["fingerprint"] == fp:
+            log(f"[{stage}] complete for these inputs; skipped")
+            ledger.append("stage_skipped", stage=stage, fingerprint=fp)
+            return m
+        if m["fingerprint"] != fp:
+            log(f"[{stage}] inputs or config changed; starting the stage over")
+            shutil.rmtree(out_dir)
+    elif m is not None and force:
+        shutil.rmtree(out_dir)
+    resumed = m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force
+    ledger.append("stage_started", stage=stage, fingerprint=fp, resumed=resumed, pid=os.getpid())
+    t0 = time.time()
+    module = importlib.import_module(module_name)
+    try:
+        manifest = module.run(recipe, run_dir, fp)
+    except KeyboardInterrupt:
+        ledger.append("stage_interrupted", stage=stage, seconds=round(time.time() - t0, 3))
+        raise
+    except DraftsmithError as e:
+        ledger.append("stage_failed", stage=stage, error=str(e), seconds=round(time.time() - t0, 3))
+        raise
+    except Exception as e:
+        ledger.append("stage_failed", stage=stage, error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc(limit=5), seconds=round(time.time() - t0, 3))
+        raise
+    ledger.append("stage_finished", stage=stage, fingerprint=fp, seconds=round(time.time() - t0, 3),
+                  counts=manifest.get("counts", {}), metrics=manifest.get("metrics", {}))
+    return manifest
+
+
+def run_all(recipe: Recipe, stages: tuple[str, ...] = STAGES,
+            on_stage_done: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
+    out = {}
+    for stage in stages:
+        out[stage] = run_stage(stage, recipe)
+        if on_stage_done:
+            on_stage_done(stage, out[stage])
+    return out

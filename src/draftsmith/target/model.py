@@ -1,0 +1,171 @@
+"""Load a Hugging Face causal LM and read its aux hidden states.
+
+One small interface for every target (DESIGN.md §5): `Target.forward` returns logits, the
+aux hidden states (outputs of the decoder layers in `aux_layer_ids`, concatenated) and the
+final hidden state, with the model's own KV cache. Decoder layers are found by structure,
+so the same code serves Llama, Qwen, MoE models and decoders wrapped inside multimodal
+models (`model.language_model.layers`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from ..artifacts import DraftsmithError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DraftsmithError(f"device {device!r} asked for but no CUDA GPU is visible; set device: cpu (or auto)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """[1, N//2 - 1, N - 4] (outputs of those 0-indexed layers), clamped into range for tiny models."""
+    return [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise DraftsmithError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              "the folder needs tokenizer.json / tokenizer_config.json") from None
+
+
+def text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
+    """The ModuleList of the language decoder's layers, wherever it sits (also under a wrapper)."""
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) == num_layers and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+            if any(part in name for part in ("vision", "visual", "audio", "mtp")):
+                continue
+            found.append(name)
+    if not found:
+        raise DraftsmithError(f"{type(model).__name__}: no decoder layer list of length {num_layers} found; "
+                              "this architecture needs a line in draftsmith/target/model.py:find_decoder_layers")
+    # Prefer the language model inside a wrapper, then the shortest path.
+    found.sort(key=lambda n: (0 if ("language_model" in n or "text_model" in n) else 1, len(n)))
+    return found[0], model.get_submodule(found[0])
+
+
+@dataclass
+class TargetOutput:
+    logits: Optional[torch.Tensor]  # [B, T, V] or None
+    aux_hidden: torch.Tensor  # [B, T, n_aux * H]
+    final_hidden: torch.Tensor  # [B, T, H] after the final norm
+    past_key_values: Any = None
+
+
+class Target:
+    """A loaded target model with hooks on its aux layers."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, aux_layer_ids: Optional[list[int]] = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = text_config(model.config)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.config.vocab_size)
+        layers_name, self.layers = find_decoder_layers(model, self.num_layers)
+        self.decoder = model.get_submodule(layers_name.rsplit(".", 1)[0]) if "." in layers_name else model
+        ids = list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(self.num_layers)
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise DraftsmithError(f"target.aux_layer_ids {ids}: {bad} outside 0..{self.num_layers - 1}; "
+                                  "ids are 0-indexed decoder layers whose outputs are used")
+        self.aux_layer_ids = ids
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in sorted(set(ids)):
+            self.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i: int):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, (tuple, list)) else output
+        return hook
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                past_key_values: Any = None, position_ids: Optional[torch.Tensor] = None,
+                use_cache: bool = False, with_logits: bool = True) -> TargetOutput:
+        """Target forward. Without logits only the decoder runs (capture: no lm_head cost)."""
+        self._captured.clear()
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                  position_ids=position_ids, use_cache=use_cache)
+        if with_logits:
+            out = self.model(**kw, output_hidden_states=False, return_dict=True)
+            logits = out.logits
+            final = self._final_hidden
+        else:
+            out = self.decoder(**kw, return_dict=True)
+            logits, final = None, out.last_hidden_state
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final,
+                            past_key_values=getattr(out, "past_key_values", None))
+
+    def _install_final_hook(self) -> None:
+        def hook(_m, _i, output):
+            self._final_hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        self.decoder.register_forward_hook(hook)
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def output_embeddings(self) -> torch.Tensor:
+        head = self.model.get_output_embeddings()
+        return head.weight if head is not None else self.input_embeddings()
+
+
+def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
+                aux_layer_ids: Optional[list[int]] = None, with_tokenizer: bool = True) -> Target:
+    """Load a local Hugging Face causal LM as a Target (eval mode, no grad)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise DraftsmithError(f"{path / 'config.json'}: not found; target.path must be a local Hugging Face model folder")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dt,
+                                                     trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        hint = "set target.trust_remote_code: true if you trust this folder's code" if "trust_remote_code" in str(e) \
+            else "check that the folder holds a causal LM that transformers supports"
+        raise DraftsmithError(f"{path}: cannot load the model ({str(e).splitlines()[0][:200]}); {hint}") from None
+    model.to(dev).eval()
+    model.requires_grad_(False)
+    tok = load_tokenizer(path, trust_remote_code) if with_tokenizer else None
+    t = Target(model, tok, aux_layer_ids)
+    t._install_final_hook()
+    return t
