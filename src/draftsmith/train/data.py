@@ -1,0 +1,134 @@
+"""Training data: an index over capture shards, a deterministic batch plan per epoch, padded batches.
+
+Capture shards can be far larger than memory (T x 3H hidden states), so the index keeps only
+token ids, loss masks and row ranges, and a batch reads its samples' hidden rows by slicing the
+memory-mapped safetensors files (`safe_open(...).get_slice`); `data.shards.read_shard` would
+load whole shards.
+
+Batch plan of epoch e: permute the samples with a generator seeded by (seed, e); cut each
+into chunks of CHUNK samples, sort a chunk by length (long first) and fill batches greedily
+while batch_size * longest <= batch_tokens (padded tokens, at least one sample); then permute
+the batches with the same generator. The plan depends only on (lengths, batch_tokens, seed, e),
+so a data cursor (epoch, position in the plan) resumes exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..artifacts import DraftsmithError
+
+CHUNK = 1024
+REQUIRED = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # int64 [B, L], 0 past each sample's end
+    loss_mask: torch.Tensor  # float32 [B, L], 0 past each sample's end
+    aux_hidden: torch.Tensor  # [B, L, n_aux * H] storage dtype
+    final_hidden: torch.Tensor  # [B, L, H] storage dtype
+    num_tokens: int  # real (unpadded) tokens
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.input_ids, self.loss_mask, self.aux_hidden, self.final_hidden)), self.num_tokens)
+
+
+class CaptureIndex:
+    """Samples of capture shards, cut to max_length; samples with no trainable row are dropped.
+
+    A row t needs tokens t+1 and t+2 (input and label), so a sample needs 3 tokens and a loss
+    token at position >= 2."""
+
+    def __init__(self, paths: Sequence[Path], max_length: int, hidden_size: int, num_aux: int):
+        from safetensors import SafetensorError, safe_open
+
+        self.paths = [Path(p) for p in paths]
+        self.max_length = int(max_length)
+        self._handles: dict[int, Any] = {}
+        self.entries: list[tuple[int, int, int]] = []  # (shard, first row, length after cut)
+        self.input_ids: list[torch.Tensor] = []
+        self.loss_mask: list[torch.Tensor] = []
+        self.dropped = 0
+        for si, p in enumerate(self.paths):
+            try:
+                h = safe_open(str(p), framework="pt")
+                keys = set(h.keys())
+            except (SafetensorError, OSError) as e:
+                raise DraftsmithError(f"{p}: unreadable capture shard ({e}); delete the capture folder and rerun `draftsmith capture`") from None
+            missing = [k for k in REQUIRED if k not in keys]
+            if missing:
+                raise DraftsmithError(f"{p}: capture shard lacks {missing}; delete the capture folder and rerun `draftsmith capture`")
+            aux_shape = h.get_slice("aux_hidden").get_shape()
+            fin_shape = h.get_slice("final_hidden").get_shape()
+            if aux_shape[-1] != num_aux * hidden_size or fin_shape[-1] != hidden_size:
+                raise DraftsmithError(f"{p}: aux_hidden width {aux_shape[-1]} / final_hidden width {fin_shape[-1]} do not match "
+                                      f"{num_aux} aux layers x hidden {hidden_size}; the capture is from another target, rerun `draftsmith capture`")
+            self._handles[si] = h
+            ids, mask, off = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool(), h.get_tensor("offsets").tolist()
+            if off[-1] != ids.shape[0] or aux_shape[0] != ids.shape[0] or fin_shape[0] != ids.shape[0]:
+                raise DraftsmithError(f"{p}: offsets/rows disagree ({off[-1]} offsets end, {ids.shape[0]} tokens, "
+                                      f"{aux_shape[0]} aux rows); delete the capture folder and rerun `draftsmith capture`")
+            for a, b in zip(off[:-1], off[1:]):
+                n = min(b - a, self.max_length)
+                if n < 3 or not bool(mask[a + 2:a + n].any()):
+                    self.dropped += 1
+                    continue
+                self.entries.append((si, a, n))
+                self.input_ids.append(ids[a:a + n])
+                self.loss_mask.append(mask[a:a + n])
+        self.lengths = [e[2] for e in self.entries]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def batch(self, sample_ids: Sequence[int]) -> Batch:
+        """Right-padded batch of the given samples (padding: token 0, mask 0, zero states)."""
+        L = max(self.lengths[j] for j in sample_ids)
+        B = len(sample_ids)
+        ids = torch.zeros(B, L, dtype=torch.int64)
+        mask = torch.zeros(B, L, dtype=torch.float32)
+        aux = fin = None
+        for r, j in enumerate(sample_ids):
+            si, a, n = self.entries[j]
+            h = self._handles[si]
+            a_rows = h.get_slice("aux_hidden")[a:a + n]
+            f_rows = h.get_slice("final_hidden")[a:a + n]
+            if aux is None:
+                aux = torch.zeros(B, L, a_rows.shape[-1], dtype=a_rows.dtype)
+                fin = torch.zeros(B, L, f_rows.shape[-1], dtype=f_rows.dtype)
+            ids[r, :n] = self.input_ids[j]
+            mask[r, :n] = self.loss_mask[j].float()
+            aux[r, :n] = a_rows
+            fin[r, :n] = f_rows
+        return Batch(ids, mask, aux, fin, sum(self.lengths[j] for j in sample_ids))
+
+
+def epoch_plan(lengths: Sequence[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches (lists of sample ids) of one epoch; see the module docstring."""
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    batches: list[list[int]] = []
+    for c in range(0, len(order), CHUNK):
+        chunk = sorted(order[c:c + CHUNK], key=lambda j: (-lengths[j], j))
+        cur: list[int] = []
+        longest = 0
+        for j in chunk:
+            grown = max(longest, lengths[j])
+            if cur and grown * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur, grown = [], lengths[j]
+            cur.append(j)
+            longest = grown
+        if cur:
+            batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in perm]

@@ -1,0 +1,131 @@
+"""Draft vocabulary: the target tokens the drafter can propose (DESIGN.md §4).
+
+The draft vocab is the `draft_vocab_size` most frequent target tokens under the loss mask
+(prepare's `data/token_counts.safetensors`), ties broken by lower id; when fewer tokens were
+seen, the lowest unseen ids fill it up so the size is exact. Stored sorted by target id as
+    d2t  int64 [Vd]  offset: target_id = i + d2t[i]
+    t2d  bool  [V]   t2d[target_id] is True iff the token is in the draft vocab
+in `vocab/vocab.safetensors`. V is the target config's vocab_size (the embedding rows),
+which may exceed the tokenizer's vocab: counts are zero-padded to V.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
+                        require_complete, stage_dir, write_manifest)
+from .config import Recipe
+
+COUNTS_FILE = "token_counts.safetensors"
+VOCAB_FILE = "vocab.safetensors"
+
+
+def build_vocab(counts: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [Vd], t2d bool [V]) for the `draft_vocab_size` most frequent ids of `counts`.
+
+    `counts` may be shorter than `vocab_size` (zero-padded); Vd = min(draft_vocab_size, V).
+    Ties (including the unseen, all 0) go to the lower id, so unseen ids fill up in id order."""
+    V = int(vocab_size)
+    if counts.numel() > V:
+        raise ValueError(f"counts has {counts.numel()} entries but the vocab has {V}")
+    full = torch.zeros(V, dtype=torch.int64)
+    full[:counts.numel()] = counts.to(torch.int64)
+    size = min(int(draft_vocab_size), V)
+    # Stable descending sort: equal counts keep ascending id order.
+    order = torch.sort(full, descending=True, stable=True).indices[:size]
+    ids = order.sort().values
+    d2t = ids - torch.arange(size, dtype=torch.int64)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """Target ids of the draft vocab, in draft order: i + d2t[i]."""
+    return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t
+
+
+def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from vocab/vocab.safetensors, checked for consistency."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        t = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DraftsmithError(f"{path}: unreadable ({e}); rerun `draftsmith vocab`") from None
+    if "d2t" not in t or "t2d" not in t:
+        raise DraftsmithError(f"{path}: lacks d2t/t2d; rerun `draftsmith vocab`")
+    d2t, t2d = t["d2t"].to(torch.int64), t["t2d"].to(torch.bool)
+    ids = draft_ids(d2t)
+    if ids.numel() and (ids.min() < 0 or ids.max() >= t2d.numel() or not bool(t2d[ids].all())
+                        or int(t2d.sum()) != ids.numel()):
+        raise DraftsmithError(f"{path}: d2t and t2d disagree; delete {path.parent} and rerun `draftsmith vocab`")
+    return d2t, t2d
+
+
+def target_vocab_size(recipe: Recipe) -> int:
+    from transformers import AutoConfig
+
+    from .target.model import text_config
+
+    path = Path(recipe.target.path)
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=recipe.target.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"{path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); "
+                              "set target.path to a local Hugging Face model folder") from None
+    return int(text_config(cfg).vocab_size)
+
+
+def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
+    run_dir = Path(run_dir)
+    t0 = time.time()
+    data_dir = stage_dir(run_dir, "prepare")
+    data_manifest = require_complete(data_dir, "prepare")
+    out_dir = stage_dir(run_dir, "vocab")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = new_manifest("vocab", fp, recipe.vocab, {"prepare": data_manifest["fingerprint"]})
+    write_manifest(out_dir, manifest)
+
+    counts_path = data_dir / COUNTS_FILE
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        counts = load_file(str(counts_path))["counts"].to(torch.int64)
+    except FileNotFoundError:
+        raise DraftsmithError(f"{counts_path}: not found; rerun `draftsmith prepare --force`") from None
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        raise DraftsmithError(f"{counts_path}: unreadable or lacks `counts` ({e}); rerun `draftsmith prepare --force`") from None
+    V = target_vocab_size(recipe)
+    if counts.numel() > V:
+        if counts[V:].any():
+            raise DraftsmithError(f"{counts_path}: tokens with ids >= {V} (the target's vocab_size) were counted; "
+                                  "the tokenizer does not match the model in target.path")
+        counts = counts[:V]
+    if int(recipe.vocab.draft_vocab_size) < 1:
+        raise DraftsmithError(f"vocab.draft_vocab_size {recipe.vocab.draft_vocab_size}: must be >= 1")
+
+    d2t, t2d = build_vocab(counts, V, recipe.vocab.draft_vocab_size)
+    size = d2t.numel()
+    total = int(counts.sum())
+    covered = int(counts[draft_ids(d2t)].sum())
+    coverage = covered / total if total else 0.0
+    sha = atomic_save_safetensors(out_dir / VOCAB_FILE, {"d2t": d2t, "t2d": t2d})
+    if size < recipe.vocab.draft_vocab_size:
+        log(f"[vocab] draft_vocab_size {recipe.vocab.draft_vocab_size} clipped to the target vocab {V}")
+    log(f"[vocab] {size} of {V} tokens cover {coverage:.2%} of {total} loss tokens "
+        f"({int((counts > 0).sum())} distinct seen)")
+
+    manifest["draft_vocab_size"] = size
+    manifest["target_vocab_size"] = V
+    manifest["files"] = [{"file": VOCAB_FILE, "sha256": sha}]
+    manifest["counts"] = {"loss_tokens": total, "distinct_tokens": int((counts > 0).sum()), "draft_vocab_size": size}
+    manifest["metrics"] = {"coverage": coverage, "draft_vocab_size": size}
+    manifest["timings"]["wall_s"] = round(time.time() - t0, 3)
+    return finish_manifest(out_dir, manifest)

