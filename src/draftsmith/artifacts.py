@@ -166,8 +166,12 @@ def hardware_info() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- manifests
 
 
+STAGE_DIRS = {"prepare": "data", "evaluate": "eval"}
+"""Stage name -> its folder in the run directory (DESIGN.md §2), where the two differ."""
+
+
 def stage_dir(run_dir: str | Path, stage: str) -> Path:
-    return Path(run_dir) / stage
+    return Path(run_dir) / STAGE_DIRS.get(stage, stage)
 
 
 def load_manifest(directory: str | Path) -> dict | None:

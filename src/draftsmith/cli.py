@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,10 @@ STAGE_HELP = {
     "run": "every stage in order (skips complete stages, resumes a half-done one)",
 }
 RECIPE_COMMANDS = tuple(STAGE_HELP)
+# Commands that are not stages: name -> (module with `main(argv) -> int`, help). One line each.
+TOOL_COMMANDS = {
+    "status": ("draftsmith.status", "state of the project for a run directory (Markdown + JSON)"),
+}
 
 
 def _recipe_parser(prog: str, description: str):
@@ -66,19 +69,9 @@ def _print_help() -> None:
     print("commands:")
     for name, text in STAGE_HELP.items():
         print(f"  {name:<10} {text}")
-    print(f"  {'status':<10} state of the project for a run directory (Markdown + JSON)")
+    for name, (_, text) in TOOL_COMMANDS.items():
+        print(f"  {name:<10} {text}")
     print("\n`draftsmith COMMAND --help` lists every recipe key with its help.")
-
-
-def cmd_status(argv: list[str]) -> int:
-    from . import status
-
-    p = argparse.ArgumentParser(prog="draftsmith status")
-    p.add_argument("run_dir", help="run directory (runs/NAME)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    a = p.parse_args(argv)
-    print(status.render(Path(a.run_dir), as_json=a.json))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,10 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     try:
-        if command == "status":
-            return cmd_status(rest)
+        if command in TOOL_COMMANDS:
+            import importlib
+
+            return importlib.import_module(TOOL_COMMANDS[command][0]).main(rest)
         if command not in RECIPE_COMMANDS:
-            raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join(RECIPE_COMMANDS + ('status',))}")
+            raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_COMMANDS))}")
         if "-h" in rest or "--help" in rest:
             _recipe_parser(f"draftsmith {command}", STAGE_HELP[command]).print_help()
             return 0

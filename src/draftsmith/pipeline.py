@@ -18,7 +18,7 @@ from typing import Callable
 
 import yaml
 
-from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, load_manifest, log,
+from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, fingerprint_path, load_manifest, log, stage_dir,
                         to_jsonable)
 from .config import STAGES, Recipe
 
@@ -61,14 +61,19 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     _, sections, upstream = STAGE_DEPS[stage]
     up = {}
     for u in upstream:
-        m = load_manifest(run_dir / u)
+        m = load_manifest(stage_dir(run_dir, u))
         up[u] = m["fingerprint"] if m and m.get("status") == "complete" else None
     cfg = {s: getattr(recipe, s) for s in sections}
-    return fingerprint(stage, cfg, target_fingerprint(recipe), up)
+    extra = None
+    if stage == "prepare":  # the source's content, so an edited file reruns prepare
+        from .data.readers import resolve_source
+
+        extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
+    return fingerprint(stage, cfg, target_fingerprint(recipe), up, extra)
 
 
 def stage_status(run_dir: Path, stage: str) -> str:
-    m = load_manifest(run_dir / stage)
+    m = load_manifest(stage_dir(run_dir, stage))
     return "pending" if m is None else m.get("status", "pending")
 
 
@@ -85,9 +90,9 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
     module_name, _, upstream = STAGE_DEPS[stage]
     for u in upstream:
         if stage_status(run_dir, u) != "complete":
-            raise DraftsmithError(f"{run_dir / u / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
+            raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
     fp = stage_fingerprint(stage, recipe, run_dir)
-    out_dir = run_dir / stage
+    out_dir = stage_dir(run_dir, stage)
     m = load_manifest(out_dir)
     if m is not None and not force:
         if m["status"] == "complete" and m["fingerprint"] == fp:

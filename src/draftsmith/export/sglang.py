@@ -1,0 +1,210 @@
+"""Export a drafter as a SGLang-native EAGLE-3 folder (`LlamaForCausalLMEagle3`).
+
+    SGLang --speculative-algorithm EAGLE3 --speculative-draft-model-path OUT_DIR
+
+Weights keep our names (they are SGLang's): `midlayer.*`, `fc.weight`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d`; SGLang prefixes `model.` itself and fills `embed_tokens` from
+the target when the folder has none. SGLang skips unknown keys without a word, so every key and
+shape is checked here before anything is written.
+
+Aux layer ids. SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and hands it to the
+target's `set_eagle3_layers_to_capture`, which (llama.py, qwen2/3, deepseek_v2, ...) sets
+`layers_to_capture = [val + 1 for val in layer_ids]`; the model's forward appends
+`hidden_states + residual` *before* running layer i when i is in that list, i.e. the INPUT of
+layer i+1 = the OUTPUT of layer i. So the list SGLang reads equals our internal ids (outputs of
+0-indexed layer i). Its default with no list, [2, N//2, N-3], is in the input convention and
+gets no +1. sgl-project/sglang PR #25454 (merged 2026-05) keeps the +1 only when the first id
+is 1 and otherwise reads the list as layer inputs; a list whose first id is not 1 thus means
+different layers to older and newer SGLang, and is refused below.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, read_json, sha256_file
+from ..draft.model import Eagle3Config, Eagle3Drafter, load_drafter
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MIDLAYER_NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+
+
+def required_shapes(cfg: Eagle3Config, with_embeddings: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor SGLang's LlamaForCausalLMEagle3 needs, with its shape."""
+    H, I, nh, nkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    shapes = {
+        "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, nh * hd),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        **{f"midlayer.{n}.weight": (H,) for n in MIDLAYER_NORMS},
+        "fc.weight": (H, cfg.num_aux_layers * cfg.target_hidden_size),
+        "norm.weight": (H,),
+        "lm_head.weight": (cfg.draft_vocab_size, H),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+    if with_embeddings:
+        shapes["embed_tokens.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+def sglang_layer_ids(internal_ids: list[int], where: str) -> list[int]:
+    """The list to write for SGLang (see the module docstring): our ids, when they start at 1."""
+    ids = [int(i) for i in internal_ids]
+    if not ids or ids[0] != 1:
+        raise DraftsmithError(f"{where}: aux_layer_ids {ids} do not start with layer 1; SGLang reads such a list as "
+                              "layer outputs before PR #25454 and as layer inputs after it, so the export would be wrong "
+                              "on one of them; train with target.aux_layer_ids starting at 1 (the default)")
+    return ids
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
+    """d2t offsets must land inside the target vocab, on distinct tokens, all marked in t2d."""
+    target_ids = torch.arange(d2t.numel()) + d2t.long()
+    V = t2d.numel()
+    if int(target_ids.min()) < 0 or int(target_ids.max()) >= V:
+        raise DraftsmithError(f"{where}: d2t maps a draft token outside the target vocab of {V}; rerun `draftsmith vocab` and retrain")
+    if target_ids.unique().numel() != target_ids.numel():
+        raise DraftsmithError(f"{where}: d2t maps two draft tokens to one target token; rerun `draftsmith vocab` and retrain")
+    if int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()):
+        raise DraftsmithError(f"{where}: t2d does not mark exactly the d2t targets; rerun `draftsmith vocab` and retrain")
+
+
+def _target_text_config(target_path: Path, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    from ..target.model import text_config
+
+    try:
+        return text_config(AutoConfig.from_pretrained(str(target_path), trust_remote_code=trust_remote_code))
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"{target_path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); "
+                              "set target.path to the model the drafter was trained for") from None
+
+
+def sglang_config(cfg: Eagle3Config, target_cfg, dtype: str, where: str) -> dict:
+    """config.json for SGLang. Shapes are the drafter's; rope and max positions are the target's
+    and must equal what the drafter was trained with."""
+    from ..draft.build import rope_settings
+
+    theta, scaling = rope_settings(target_cfg)
+    max_pos = int(getattr(target_cfg, "max_position_embeddings", None) or cfg.max_position_embeddings)
+    checks = {"vocab_size": (cfg.vocab_size, int(target_cfg.vocab_size)),
+              "target_hidden_size": (cfg.target_hidden_size, int(target_cfg.hidden_size)),
+              "rope_theta": (cfg.rope_theta, theta), "rope_scaling": (cfg.rope_scaling or None, scaling)}
+    if cfg.target_num_layers:
+        checks["target_num_layers"] = (cfg.target_num_layers, int(target_cfg.num_hidden_layers))
+    bad = [f"{k} {a} != target's {b}" for k, (a, b) in checks.items() if a != b]
+    if bad:
+        raise DraftsmithError(f"{where}: drafter was not trained for this target ({'; '.join(bad)}); "
+                              "set target.path to the model it was trained for")
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": max_pos,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layer_ids, where),
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": True,
+            "use_last_layernorm": True,
+            "use_mtp_layernorm": False,
+        },
+    }
+
+
+def sglang_state(drafter: Eagle3Drafter, dtype: str, with_embeddings: bool, where: str) -> dict[str, torch.Tensor]:
+    """The tensors to write, checked key by key and shape by shape against `required_shapes`."""
+    state = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
+    if not with_embeddings:
+        state.pop("embed_tokens.weight", None)
+    need = required_shapes(drafter.cfg, with_embeddings)
+    missing = sorted(set(need) - set(state))
+    extra = sorted(set(state) - set(need))
+    bad = sorted(f"{k} {tuple(state[k].shape)} (want {need[k]})" for k in set(need) & set(state)
+                 if tuple(state[k].shape) != need[k])
+    if missing or extra or bad:
+        what = "; ".join(f"{n}: {', '.join(v)}" for n, v in (("missing", missing), ("unexpected", extra),
+                                                            ("wrong shape", bad)) if v)
+        raise DraftsmithError(f"{where}: drafter does not map onto SGLang's LlamaForCausalLMEagle3 ({what}); "
+                              "the export key map in draftsmith/export/sglang.py needs updating")
+    check_vocab_map(state["d2t"], state["t2d"], where)
+    cast = DTYPES[dtype]
+    return {k: v.to(torch.int64) if k == "d2t" else v if k == "t2d" else v.to(cast) for k, v in state.items()}
+
+
+def export_sglang(drafter_dir: str | Path, target_path: str | Path, out_dir: str | Path,
+                  dtype: str = "bfloat16", with_embeddings: bool = False, trust_remote_code: bool = False) -> list[dict]:
+    """Write config.json + model.safetensors for SGLang into out_dir (replaced as a whole).
+    Returns [{file, sha256, bytes}]."""
+    drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
+    if dtype not in DTYPES:
+        raise DraftsmithError(f"export.dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    where = str(drafter_dir / "config.json")
+    drafter = load_drafter(drafter_dir)
+    config = sglang_config(drafter.cfg, _target_text_config(Path(target_path), trust_remote_code), dtype, where)
+    state = sglang_state(drafter, dtype, with_embeddings, where)
+
+    # Build the folder beside its final place, then swap it in: a reader never sees half of it.
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    atomic_save_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
+    atomic_write_json(tmp / "config.json", config)
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return [{"file": p.name, "sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in sorted(out_dir.iterdir()) if p.is_file()]
+
+
+def load_sglang(folder: str | Path, embed_tokens: Optional[torch.Tensor] = None) -> Eagle3Drafter:
+    """Read a SGLang EAGLE-3 folder back into an Eagle3Drafter (float32, CPU). `embed_tokens`
+    (the target's input embedding) is needed when the folder has none."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    c = read_json(folder / "config.json")
+    ids = c.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or []
+    cfg = Eagle3Config(hidden_size=c["hidden_size"], target_hidden_size=c.get("target_hidden_size", c["hidden_size"]),
+                       num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+                       head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+                       intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+                       draft_vocab_size=c.get("draft_vocab_size", c["vocab_size"]), num_aux_layers=len(ids) or 3,
+                       rms_norm_eps=c["rms_norm_eps"], rope_theta=c.get("rope_theta", 10000.0),
+                       rope_scaling=c.get("rope_scaling"), max_position_embeddings=c["max_position_embeddings"],
+                       aux_layer_ids=list(ids))
+    state = load_file(str(folder / "model.safetensors"))
+    if "embed_tokens.weight" not in state:
+        if embed_tokens is None:
+            raise DraftsmithError(f"{folder / 'model.safetensors'}: has no embed_tokens.weight; pass the target's input embedding")
+        state["embed_tokens.weight"] = embed_tokens.detach().cpu()
+    model = Eagle3Drafter(cfg)
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
+    return model.eval()

@@ -1,0 +1,130 @@
+"""The whole pipeline on a tiny model: run, skip when done, resume after kill -9."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.artifacts import Ledger, load_manifest
+from draftsmith.cli import main
+from draftsmith.testing import make_model_dir
+
+CONVERSATIONS = [
+    [{"from": "human", "value": f"Count from {i} to {i + 5}."},
+     {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 6)) + ". Done!"}]
+    for i in range(40)
+] + [
+    [{"from": "human", "value": "Say hello."}, {"from": "gpt", "value": "Hello! How can I help you today?"},
+     {"from": "human", "value": "Write a poem."}, {"from": "gpt", "value": "The sea, the sky, the quick brown fox."}]
+] * 10
+
+
+def write_recipe(tmp: Path, target: Path, run_dir: Path, max_steps: int = 12) -> Path:
+    data = tmp / "convs.json"
+    data.write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(CONVERSATIONS)]))
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Count from 3 to 8.", "Say hello.", "Write a poem."]))
+    recipe = {
+        "name": "tiny", "run_dir": str(run_dir),
+        "target": {"path": str(target), "device": "cpu", "dtype": "float32"},
+        "prepare": {"source": str(data), "max_length": 128, "samples_per_shard": 16},
+        "capture": {"batch_tokens": 1024, "storage_dtype": "float32"},
+        "vocab": {"draft_vocab_size": 128},
+        "train": {"ttt_steps": 3, "max_steps": max_steps, "batch_tokens": 256, "lr": 3e-3, "warmup_steps": 2,
+                  "save_every": 3, "log_every": 4, "device": "cpu", "dtype": "float32"},
+        "evaluate": {"benchmarks": [str(prompts)], "max_new_tokens": 24, "draft_steps": 3},
+        "export": {"formats": ["sglang"]},
+    }
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("target") / "tiny", num_layers=4, hidden_size=64)
+
+
+def figures(run_dir: Path) -> dict:
+    train = load_manifest(run_dir / "train")["metrics"]
+    ev = load_manifest(run_dir / "eval")["metrics"]
+    return {"loss": train["loss"], "tau": ev["tau"], "accept": ev["accept_rate_per_position"]}
+
+
+def test_run_then_skip(tmp_path, target, capsys):
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    assert main(["run", str(recipe)]) == 0
+    run_dir = tmp_path / "run"
+    for stage in ("data", "capture", "vocab", "train", "eval", "export"):
+        assert load_manifest(run_dir / stage)["status"] == "complete", stage
+    assert (run_dir / "export" / "sglang" / "model.safetensors").exists()
+    assert (run_dir / "recipe.yaml").exists()
+    first = figures(run_dir)
+    assert first["tau"] >= 1.0
+    # A second run redoes nothing and gives the same figures.
+    n_events = len(Ledger(run_dir).read())
+    assert main(["run", str(recipe)]) == 0
+    new = Ledger(run_dir).read()[n_events:]
+    assert [e["event"] for e in new if e["event"].startswith("stage_")] == ["stage_skipped"] * 6
+    assert figures(run_dir) == first
+    # Changing a train setting reruns train and what follows it, not what precedes it.
+    assert main(["train", str(recipe), "--train.lr", "0.001"]) == 0
+    started = [e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_started"]
+    assert started[-1] == "train"
+
+
+def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    assert main(["run", str(recipe), "--train.bogus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err
+
+
+def _run_until(cmd: list[str], ledger: Path, stage: str, extra_wait: float, timeout: float = 240) -> None:
+    """Start cmd, kill -9 it `extra_wait` seconds after `stage` started (per the ledger)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    t0 = time.time()
+    try:
+        while time.time() - t0 < timeout:
+            if proc.poll() is not None:
+                return
+            if ledger.exists() and any(e["event"] == "stage_started" and e["stage"] == stage for e in Ledger(ledger.parent).read()):
+                time.sleep(extra_wait)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{stage} never started")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize("stage,wait", [("capture", 0.8), ("train", 2.5)])
+def test_kill_and_resume_gives_same_figures(tmp_path, target, stage, wait):
+    (tmp_path / "ref").mkdir()
+    ref_recipe = write_recipe(tmp_path / "ref", target, tmp_path / "ref" / "run", max_steps=30)
+    assert main(["run", str(ref_recipe)]) == 0
+    (tmp_path / "k").mkdir()
+    run_dir = tmp_path / "k" / "run"
+    recipe = write_recipe(tmp_path / "k", target, run_dir, max_steps=30)
+    cmd = [sys.executable, "-m", "draftsmith.cli", "run", str(recipe)]
+    _run_until(cmd, run_dir / "ledger.jsonl", stage, wait)
+    done_before = {e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_finished"}
+    assert main(["run", str(recipe)]) == 0
+    events = Ledger(run_dir).read()
+    restarted = [e["stage"] for e in events if e["event"] == "stage_started"]
+    for s in done_before:  # no finished stage is redone
+        assert restarted.count(s) == 1, s
+    assert figures(run_dir) == figures(tmp_path / "ref" / "run")
+    # capture shards are byte-identical to the uninterrupted run
+    for a in sorted((run_dir / "capture").glob("shard-*.safetensors")):
+        assert a.read_bytes() == (tmp_path / "ref" / "run" / "capture" / a.name).read_bytes()
