@@ -9,7 +9,10 @@ import torch
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import Eagle3Drafter
-from draftsmith.speculate.engine import Eagle3Proposer, plain_generate, speculative_generate
+from draftsmith.speculate.eagle3 import Eagle3Proposer
+from draftsmith.speculate.engine import (PerSequence, generate, plain_generate, plain_generate_batch,
+                                         speculative_generate)
+from draftsmith.speculate.ngram import NgramProposer
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
@@ -51,14 +54,14 @@ class OracleProposer:
         self.pos += len(new_tokens)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [2, 5])
 def test_lossless_random_drafter(target, k):
     drafter = make_drafter(target, draft_vocab=200, seed=k)
     for prompt in PROMPTS:
-        plain = plain_generate(target, prompt, 24)
-        spec, st = speculative_generate(target, drafter, prompt, 24, draft_steps=k)
+        plain = plain_generate(target, prompt, 20)
+        spec, st = speculative_generate(target, drafter, prompt, 20, draft_steps=k)
         assert spec == plain, f"prompt {prompt}"
-        assert st.tokens == len(spec) == 24
+        assert st.tokens == len(spec) == 20
         assert sum(st.emitted_per_round) == len(spec) - 1
         assert all(0 <= a <= k for a in st.accepted_per_round)
 
@@ -113,25 +116,25 @@ def test_one_token_budget(target):
 
 
 class RecordingProposer(Eagle3Proposer):
-    """Records, per round, the committed tokens, the drafts and the drafter's logits."""
+    """Records, per round, the committed tokens, the drafts and the drafter's logits (batch 1)."""
 
-    def start(self, tokens, out):
-        self.tokens, self.log = list(tokens), []
+    def start(self, tokens, outs):
+        self.tokens, self.log = list(tokens[0]), []
         logits = self.drafter.logits
         self.seen = []
         self.drafter.logits = lambda g: self.seen.append(logits(g)) or self.seen[-1]
-        super().start(tokens, out)
+        super().start(tokens, outs)
 
-    def propose(self, k):
+    def propose(self, max_depth):
         self.seen.clear()
-        drafts = super().propose(k)
-        if drafts:
-            self.log.append((list(self.tokens), drafts, torch.cat(self.seen)))
-        return drafts
+        trees = super().propose(max_depth)
+        if len(trees[0]):
+            self.log.append((list(self.tokens), trees[0].tokens, torch.cat([x.reshape(-1, x.shape[-1]) for x in self.seen])))
+        return trees
 
-    def commit(self, new_tokens, out):
-        self.tokens += new_tokens
-        super().commit(new_tokens, out)
+    def commit(self, new_tokens, outs):
+        self.tokens += new_tokens[0]
+        super().commit(new_tokens, outs)
 
 
 @torch.inference_mode()
@@ -153,10 +156,89 @@ def test_drafter_cache_matches_recompute(target):
     """Inference drafting (incremental cache: prefill, crop, commit from the verify forward's
     aux states) gives the logits that training's TTT unroll gives over the committed sequence."""
     drafter = make_drafter(target, draft_vocab=300, seed=3)
-    prop = RecordingProposer(drafter)
-    speculative_generate(target, prop, PROMPTS[2], 20, draft_steps=3)
+    prop = RecordingProposer(drafter, topk=1, budget=3)
+    generate(target, prop, [PROMPTS[2]], 20, depth=3)
     assert len(prop.log) >= 3
     del drafter.logits
     for tokens, drafts, logits in prop.log:
         ref = ttt_reference_logits(target, drafter, tokens, drafts)
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- tree, batch, n-gram
+
+
+@pytest.mark.parametrize("topk,budget,depth", [(3, 10, 4)])
+def test_lossless_tree(target, topk, budget, depth):
+    drafter = make_drafter(target, draft_vocab=200, seed=topk)
+    for prompt in PROMPTS:
+        plain = plain_generate(target, prompt, 20)
+        spec, st = speculative_generate(target, drafter, prompt, 20, draft_steps=depth, tree=(topk, budget))
+        assert spec == plain, f"prompt {prompt}"
+        assert sum(st.emitted_per_round) == len(spec) - 1
+        assert max(st.drafted_per_round) <= budget and max(st.accepted_per_round) <= depth
+        assert any(d > depth for d in st.drafted_per_round)  # really a tree, not a chain
+
+
+def test_tree_of_oracle_and_noise_accepts_the_right_branch(target):
+    """A tree whose root has a wrong first child and the right one second: the path is found."""
+    from draftsmith.speculate.engine import DraftTree
+    prompt, n = PROMPTS[0], 25
+    ref = prompt + plain_generate(target, prompt, n)
+
+    class Forked(OracleProposer):
+        def propose_tree(self, depth):
+            good = self.ref[self.pos:self.pos + depth]
+            bad = [(good[0] + 7) % 300] if good else []
+            return DraftTree(bad + good, [-1] + [-1] + list(range(1, len(good))) if good else [])
+
+    spec, st = speculative_generate(target, Forked(ref), prompt, n, draft_steps=4)
+    assert spec == ref[len(prompt):]
+    assert st.accepted_per_round[:-1] == [4] * (len(st.accepted_per_round) - 1)
+
+
+@pytest.mark.parametrize("tree", [None, (3, 8)])
+def test_batch_lossless_per_sequence(target, tree):
+    """Batch of prompts of different lengths (left padding, per-sequence acceptance and cache
+    lengths, EOS in one sequence): each equals its own batch-1 plain greedy decoding."""
+    drafter = make_drafter(target, draft_vocab=300, seed=5)
+    eos = plain_generate(target, PROMPTS[1], 20)[9]
+    plains = [plain_generate(target, p, 20, eos_ids=[eos]) for p in PROMPTS]
+    assert len({len(p) for p in plains}) > 1  # some sequence stops early
+    topk, budget = tree or (1, 4)
+    new, stats = generate(target, Eagle3Proposer(drafter, topk=topk, budget=budget), PROMPTS, 20, depth=4, eos_ids=[eos])
+    assert new == plains
+    assert [s.tokens for s in stats] == [len(p) for p in plains]
+    if tree is None:
+        assert plain_generate_batch(target, PROMPTS, 20, eos_ids=[eos]) == plains
+        ngram = PerSequence([NgramProposer() for _ in PROMPTS])
+        assert generate(target, ngram, PROMPTS, 20, depth=4, eos_ids=[eos])[0] == plains
+
+
+def test_batch_oracle_per_sequence_acceptance(target):
+    """Sequences of one batch accept different lengths in the same round."""
+    n = 21
+    refs = [p + plain_generate(target, p, n) for p in PROMPTS]
+    props = PerSequence([OracleProposer(r, error_rate=e, seed=i) for i, (r, e) in enumerate(zip(refs, [0, .5, .2, 1]))])
+    new, stats = generate(target, props, PROMPTS, n, depth=4)
+    assert new == [r[len(p):] for r, p in zip(refs, PROMPTS)]
+    assert stats[0].tau == 5 and stats[3].tau == 1
+    assert len({s.rounds for s in stats}) > 2
+
+
+def test_ngram_proposer():
+    p = NgramProposer(max_ngram=3)
+    p.start([5, 6, 7, 8, 9, 5, 6, 7], None)
+    assert p.propose(3) == [8, 9, 5]            # trigram 5 6 7 seen before
+    p.commit([1], None)
+    assert p.propose(2) == []                   # 1 never seen
+    p.commit([9], None)
+    assert p.propose(4) == [5, 6, 7, 1]         # unigram 9 -> what followed it
+    assert NgramProposer().propose(2) == []
+
+
+def test_ngram_lossless(target):
+    prompt = PROMPTS[2] * 3  # repeated text: the n-gram proposer drafts (a random target rarely agrees)
+    plain = plain_generate(target, prompt, 30)
+    spec, st = speculative_generate(target, NgramProposer(), prompt, 30, draft_steps=4)
+    assert spec == plain and sum(st.drafted_per_round) > 0

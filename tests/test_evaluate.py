@@ -35,8 +35,10 @@ def recipe(model_dir, tmp_path):
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": text}) + "\n" for i, text in
                                enumerate(["Write a short poem about the sea.", "What is the capital of France?",
                                           "def add(a, b):"])))
+    prompts.write_text(prompts.read_text() + json.dumps({"id": "mt", "turns": ["Hello!", "Write it again."]}) + "\n")
     return Recipe(run_dir=str(run_dir), target=TargetConfig(path=str(model_dir), device="cpu", dtype="float32"),
-                  evaluate=EvaluateConfig(benchmarks=[str(prompts)], max_new_tokens=12, draft_steps=3))
+                  evaluate=EvaluateConfig(benchmarks=[str(prompts)], max_new_tokens=12, draft_steps=3, tree_depth=3,
+                                          tree_topk=2, tree_budget=5, batch_sizes=[1, 2]))
 
 
 def test_evaluate_stage(recipe, capsys):
@@ -44,24 +46,46 @@ def test_evaluate_stage(recipe, capsys):
     out = recipe.run_dir + "/eval"
     assert m["status"] == "complete" and load_manifest(out)["status"] == "complete"
     met = m["metrics"]
-    assert met["num_prompts"] == 3 and len(met["accept_rate_per_position"]) == 3
+    assert met["method"] == "eagle3_chain" and met["num_prompts"] == 5  # 3 prompts + both turns of `mt`
+    assert len(met["accept_rate_per_position"]) == 3
     assert 1.0 <= met["tau"] <= 4.0 and met["speedup"] > 0 and met["tokens_per_s_plain"] > 0
+    assert set(met["methods"]) == {"eagle3_chain", "eagle3_tree", "ngram"} and set(met["batches"]["2"]) == set(met["methods"])
     assert list(met["tau_per_benchmark"].values()) == [met["tau"]]
+    sc = m["step_costs"]
+    assert list(sc["target_forward_ms"]) == ["1", "2", "4", "8", "16", "32", "64"] and sc["draft_step_ms"] > 0
     res = read_json(out + "/results.json")
-    assert [p["id"] for p in res["prompts"]] == ["q0", "q1", "q2"]
-    assert all(p["lossless"] for p in res["prompts"])
-    s = res["summary"]
-    drafting_rounds = sum(d > 0 for p in res["prompts"] for d in p["drafted_per_round"])
-    assert sum(s["accepted_length_histogram"]) == drafting_rounds
-    assert list(s["per_benchmark"]) == ["prompts"]
+    assert [(p["id"], p["turn"]) for p in res["prompts"]] == [("q0", 1), ("q1", 1), ("q2", 1), ("mt", 1), ("mt", 2)]
+    assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())
+    assert len(res["batches"]) == 2 and all(r["identical"] == 2 for b in res["batches"] for r in b["methods"].values())
+    for name, s in res["summary"]["methods"].items():
+        rounds = [p["methods"][name] for p in res["prompts"]]
+        assert sum(s["accepted_length_histogram"]) == sum(d > 0 for r in rounds for d in r["drafted_per_round"])
+        assert list(s["per_benchmark"]) == ["prompts"]
     report = open(out + "/report.md").read()
-    assert "| position | drafted | reached | accepted |" in report and "| all |" in report
+    assert "## eagle3_tree: acceptance per draft position" in report and "| ngram | all |" in report
+    assert "eagle3_chain bs2" in report
     assert open(out + "/acceptance.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "speedup" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "plain" in printed
     assert Ledger(recipe.run_dir).read()[-1]["event"] == "stage_finished"
 
 
+def test_turn_two_follows_the_targets_answer(recipe, monkeypatch):
+    seen = []
+    real = evaluate.render_prompt
+    monkeypatch.setattr(evaluate, "render_prompt", lambda tok, msgs, where: seen.append(msgs) or real(tok, msgs, where))
+    recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["ngram"], [1], False
+    pipeline.run_stage("evaluate", recipe)
+    res = read_json(recipe.run_dir + "/eval/results.json")
+    first = res["prompts"][3]
+    turn2 = seen[-1]
+    assert [m["role"] for m in turn2] == ["user", "assistant", "user"] and turn2[2]["content"] == "Write it again."
+    assert turn2[1]["content"] == evaluate.answer_text(load_target(recipe.target.path).tokenizer, first["plain_tokens"],
+                                                       res["eos_ids"])
+
+
 def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
+    recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_chain"], [1], False
     pipeline.run_stage("evaluate", recipe)
     eval_dir = f"{recipe.run_dir}/eval"
     m = read_json(eval_dir + "/manifest.json")
@@ -73,20 +97,21 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
     real = evaluate.evaluate_prompt
     monkeypatch.setattr(evaluate, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     m2 = pipeline.run_stage("evaluate", recipe)
-    assert m2["status"] == "complete" and m2["metrics"]["num_prompts"] == 3
-    assert len(calls) == 1 and "prompt q2" in calls[0]
+    assert m2["status"] == "complete" and m2["metrics"]["num_prompts"] == 5
+    assert [c.rsplit(": ", 1)[-1] for c in calls] == ["prompt q2", "prompt mt", "prompt mt turn 2"]
 
 
 def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):
-    real = evaluate.speculative_generate
+    real = evaluate.generate
 
-    def broken(target, drafter, ids, n, k, eos):
-        tokens, st = real(target, drafter, ids, n, k, eos)
-        if len(ids) > 1 and n > 8:  # leave the warm-up alone
-            tokens[5] = (tokens[5] + 1) % target.vocab_size
-        return tokens, st
+    def broken(target, proposer, prompts, n, *a):
+        new, st = real(target, proposer, prompts, n, *a)
+        if isinstance(proposer, evaluate.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
+            new[0][5] = (new[0][5] + 1) % target.vocab_size
+        return new, st
 
-    monkeypatch.setattr(evaluate, "speculative_generate", broken)
-    with pytest.raises(DraftsmithError, match=r"prompt q0: speculative output differs .* at new token 5"):
+    monkeypatch.setattr(evaluate, "generate", broken)
+    recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_tree"], [1], False
+    with pytest.raises(DraftsmithError, match=r"prompt q0: eagle3_tree: speculative output differs .* at new token 5"):
         pipeline.run_stage("evaluate", recipe)
     assert Ledger(recipe.run_dir).read()[-1]["event"] == "stage_failed"

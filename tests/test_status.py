@@ -62,7 +62,7 @@ def test_failed_stage_and_next_step(tmp_path):
     assert st["next_step"]["stage"] == "train" and "checksum mismatch" in st["next_step"]["text"]
     md = status.render(run)
     assert (run / "STATUS.md").read_text() == md
-    assert "## Goal" in md and "Check that status reads a run." in md and "## Next step" in md
+    assert "## Goal" in md and "Check that status reads a run." in md and "## Immediate next step" in md
     assert "✅ done" in md and "❌ failed" in md and "⏳ pending" in md
     assert "kept 1,000" in md and "skipped 200" in md and "bytes per token 1,536" in md and "coverage 97.1%" in md
     assert f"draftsmith train {run}/recipe.yaml" in md
@@ -104,3 +104,48 @@ def test_all_done_json_and_brief(tmp_path, capsys):
     assert main(["status", str(run)]) == 0
     assert "# Status: tiny" in capsys.readouterr().out
     assert main(["status", str(tmp_path / "nope")]) == 2
+
+
+SECTIONS = ["Goal", "Instructions", "Discoveries", "Accomplished", "Relevant files", "Immediate next step", "Sources"]
+
+
+def test_seven_sections_every_figure_sourced(tmp_path):
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    ev = json.loads((run / "eval" / "manifest.json").read_text())
+    ev["metrics"].update(accept_rate_per_position=[0.8, 0.6, 0.5], draft_steps=3, ngram_tau=1.4, ngram_speedup=1.1)
+    ev["step_costs"] = {"target_forward_ms": {"1": 10.0, "4": 11.0, "8": 12.0}, "draft_step_ms": 0.5}
+    ev["metrics"]["methods"] = {"eagle3_chain": {"tau": 3.21, "speedup": 2.05, "tokens_per_s": 81.5},
+                                "ngram": {"tau": 1.5, "speedup": 1.2, "tokens_per_s": 48.0}}
+    ev["metrics"]["batches"] = {"1": {"eagle3_chain": 2.05, "ngram": 1.2}, "2": {"eagle3_chain": 1.9}}
+    (run / "eval" / "manifest.json").write_text(json.dumps(ev))
+    st = status.collect(run)
+    md = status.to_markdown(st)
+    assert [line[3:] for line in md.splitlines() if line.startswith("## ")] == SECTIONS
+    facts = {f["label"]: f for f in st["discoveries"] + st["instructions"]}
+    assert facts["τ (tokens per target verification)"] == {"label": "τ (tokens per target verification)", "value": 3.21,
+                                                          "source": "eval/manifest.json: metrics.tau"}
+    assert facts["n-gram tau"]["value"] == 1.4 and facts["n-gram speedup"]["source"] == "eval/manifest.json: metrics.ngram_speedup"
+    assert facts["draft vocab"]["source"] == "recipe.yaml: vocab.draft_vocab_size"
+    # planner: E = 1 + .8 + .48 + .24 = 2.52 tokens per (3 x 0.5 + 11) ms vs 10 ms a token -> 2.016x
+    pred = facts["predicted speedup (batch 1, k=3)"]
+    assert pred["value"].startswith("2.02x (-1.7% vs measured 2.05x)") and "step_costs" in pred["source"]
+    assert facts["ngram: τ / speedup / tokens/s"]["value"] == "1.5 / 1.2x / 48"
+    # batch 2: verify 8 tokens 12 ms, plain 2 tokens 10.33 ms, drafter 0.5 * 10.33 / 10: 2.52 * 10.33 / (1.55 + 12) = 1.92
+    assert facts["speedup per batch size (chain)"]["value"] == ("b=1: 2.05x measured, 2.02x predicted; "
+                                                               "b=2: 1.9x measured, 1.92x predicted")
+    # Every figure line carries a marker, and every marker resolves to a file in Sources.
+    sources = md.split("## Sources")[1]
+    for line in md.split("## Discoveries")[1].split("## Accomplished")[0].strip().splitlines():
+        n = line.rsplit("[", 1)[1].rstrip("]")
+        assert f"[{n}] `" in sources, line
+    assert "`eval/manifest.json`: " in sources and "metrics.tau" in sources
+    assert "| evaluate | ✅ done |" in md
+
+
+def test_failure_hint(tmp_path):
+    run, ledger = make_run(tmp_path)
+    start(run, ledger, "train", os.getpid())
+    ledger.append("stage_failed", stage="train", error="RuntimeError: CUDA out of memory. Tried to allocate 2 GiB", seconds=1)
+    st = status.collect(run)
+    assert "lower the stage's batch_tokens" in st["next_step"]["text"]
+    assert next(s for s in st["stages"] if s["stage"] == "train")["fix_hint"].startswith("lower")

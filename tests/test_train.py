@@ -110,15 +110,16 @@ def test_loss_decreases_and_files(tmp_path, target_dir):
     assert (train / "latest").read_text().strip() == "step-000040"
     meta = read_json(train / "step-000040" / "meta.json")
     assert meta["step"] == 40 and {"epoch", "position", "rng", "drafter", "recipe"} <= set(meta)
-    ckpt = load_file(str(train / "step-000040" / "model.safetensors"))
-    assert "embed_tokens.weight" not in ckpt and "fc.weight" in ckpt
-    assert "fc.weight.exp_avg" in load_file(str(train / "step-000040" / "optim.safetensors"))
+    state = train / "step-000040" / "state"
+    ckpt = {k: v for f in state.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert not list(state.glob("*.metadata")), "DCP's pickled metadata must not be written"
+    assert "model.embed_tokens.weight" not in ckpt and "model.fc.weight" in ckpt and "optim.fc.weight.exp_avg" in ckpt
     assert list((train / "tensorboard").glob("events.out.tfevents.*"))
     d = load_drafter(train / "drafter")
     emb, _, _ = read_target_embeddings(target_dir)
     assert torch.equal(d.embed_tokens.weight, emb)
     assert torch.equal(d.t2d, load_file(str(run_dir / "vocab" / "vocab.safetensors"))["t2d"])
-    assert torch.equal(d.fc.weight, ckpt["fc.weight"])
+    assert torch.equal(d.fc.weight, ckpt["model.fc.weight"])
 
 
 def test_exact_resume_after_crash(tmp_path, target_dir, monkeypatch):
@@ -200,3 +201,16 @@ def test_gpu_bf16_autocast_trains_and_resumes(tmp_path, target_dir, monkeypatch)
     loop.run(recipe_b, run_b, "fp-train")
     assert losses(run_b) == pytest.approx(losses(run_a), rel=1e-3)
     assert load_drafter(run_b / "train" / "drafter").fc.weight.dtype == torch.float32
+
+
+def test_heldout_eval_keeps_best(tmp_path, target_dir):
+    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir), max_steps=12, lr=3e-2,
+                               heldout_samples=3, eval_every=4, save_every=6)
+    m = loop.run(recipe, run_dir, "fp-train")
+    evals = [json.loads(line) for line in (run_dir / "train" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [4, 8, 12]
+    assert all(e["tau"] == pytest.approx(simulated_tau(e["acc"])) for e in evals)
+    best = read_json(run_dir / "train" / "best" / "best.json")
+    assert best["tau_simulated"] == max(e["tau"] for e in evals) == m["metrics"]["heldout_tau_simulated_best"]
+    assert load_drafter(run_dir / "train" / "best").cfg.draft_vocab_size == 64
+    assert m["counts"]["samples_heldout"] == 3 and m["counts"]["samples"] == 9

@@ -166,7 +166,7 @@ def hardware_info() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- manifests
 
 
-STAGE_DIRS = {"prepare": "data", "evaluate": "eval"}
+STAGE_DIRS = {"prepare": "data", "regenerate": "regen", "evaluate": "eval"}
 """Stage name -> its folder in the run directory (DESIGN.md §2), where the two differ."""
 
 
@@ -227,7 +227,14 @@ def verify_shards(directory: str | Path, manifest: dict, check_hash: bool = True
     """Paths of the manifest's shards, each checked to exist (and match its sha256)."""
     directory = Path(directory)
     paths = []
-    for s in manifest.get("shards", []):
+    shards = manifest.get("shards", [])
+    if not isinstance(shards, list):
+        raise DraftsmithError(f"{directory / MANIFEST}: `shards` is {type(shards).__name__}, not a list; the manifest was edited, "
+                              f"delete {directory} and rerun its stage")
+    for i, s in enumerate(shards):
+        if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)):
+            raise DraftsmithError(f"{directory / MANIFEST}: shard entry {i} lacks a `file`/`sha256` string; the manifest was "
+                                  f"edited, delete {directory} and rerun its stage")
         p = safe_join(directory, s["file"])
         if not p.exists():
             raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; delete {directory} and rerun its stage")
@@ -258,10 +265,13 @@ class Ledger:
     def append(self, event: str, **fields: Any) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rec = {"time": round(time.time(), 3), "event": event, **to_jsonable(fields)}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # a full disk must not hide the error being reported; read() skips a torn line
+            log(f"warning: {self.path}: cannot append {event!r} ({e.strerror or e})")
 
     def read(self) -> list[dict]:
         """All complete records; a torn last line (a crash mid-append) is ignored."""

@@ -15,6 +15,7 @@ from .config import STAGES, Recipe
 
 STAGE_HELP = {
     "prepare": "conversations -> token shards with assistant-only loss masks",
+    "regenerate": "optional: the target rewrites the assistant turns (regenerate.enabled)",
     "capture": "target forward -> aux hidden-state shards",
     "vocab": "draft vocabulary (d2t / t2d) from token frequencies",
     "train": "train the EAGLE-3 drafter with training-time test",
@@ -26,6 +27,11 @@ RECIPE_COMMANDS = tuple(STAGE_HELP)
 # Commands that are not stages: name -> (module with `main(argv) -> int`, help). One line each.
 TOOL_COMMANDS = {
     "status": ("draftsmith.status", "state of the project for a run directory (Markdown + JSON)"),
+    "import-drafter": ("draftsmith.export.importer", "import an EAGLE-3 checkpoint (SGLang or speculators format)"),
+    "plan": ("draftsmith.plan", "predicted tokens per step and speedup per method and batch size"),
+    "doctor": ("draftsmith.doctor", "check versions, GPUs, disk, memory fit and stale processes"),
+    "probe-layers": ("draftsmith.probe", "choose aux layers by measurement (cheap probes per layer triple)"),
+    "bench-serve": ("draftsmith.serve.bench", "load-test OpenAI-compatible endpoints: TTFT/TPOT/throughput vs concurrency, A/B"),
 }
 
 

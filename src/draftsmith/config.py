@@ -25,6 +25,9 @@ class TargetConfig:
     aux_layer_ids: Optional[list[int]] = None
     """Decoder layers whose OUTPUTS feed the drafter (0-indexed, internal convention);
     default [1, N//2-1, N-4] for N layers."""
+    device_map: Optional[str] = None
+    """Spread a target too large for one GPU over the visible GPUs (e.g. auto, balanced;
+    needs accelerate). Unset: the whole target on `device`."""
 
 
 @dataclass
@@ -55,13 +58,41 @@ class PrepareConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Optional: the target rewrites the assistant turns (prepare -> regenerate -> capture)."""
+
+    enabled: bool = False
+    """Regenerate the answers; capture then reads regen/ instead of data/."""
+    server_url: Optional[str] = None
+    """OpenAI-compatible base URL (`vllm serve`, SGLang), e.g. http://127.0.0.1:8000/v1.
+    Unset: the target's own batched `generate` on target.device."""
+    server_model: Optional[str] = None
+    """Model name sent to the server; unset: the first id of GET {server_url}/models."""
+    max_new_tokens: int = 1024
+    """Longest answer; an answer cut here is left out and written to regen/errors.jsonl."""
+    temperature: float = 0.0
+    """0: greedy."""
+    batch_size: int = 16
+    """Conversations per local `generate` batch."""
+    concurrency: int = 16
+    """Requests in flight to the server."""
+    timeout_s: float = 600.0
+    """Per request."""
+    max_retries: int = 3
+    """Retries of a failed request (connection errors, 5xx, 429), with exponential backoff."""
+    retry_delay_s: float = 1.0
+    """First backoff delay; doubles each retry."""
+
+
+@dataclass
 class CaptureConfig:
     """Target forward -> aux hidden states and final hidden state, written as shards."""
 
     batch_tokens: int = 8192
     """Token budget per forward batch (samples are length-sorted within a shard)."""
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of stored hidden states."""
+    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = "bfloat16"
+    """Dtype of stored hidden states. float8_e4m3 stores fp8 values plus a float32 scale per
+    token and aux layer: about half the bytes of bfloat16."""
 
 
 @dataclass
@@ -94,7 +125,12 @@ class TrainConfig:
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (overrides epochs)."""
     batch_tokens: int = 4096
-    """Tokens per optimizer step (samples packed up to this budget)."""
+    """Global batch: tokens per optimizer step, over all ranks and micro-batches."""
+    micro_batch_tokens: Optional[int] = None
+    """Padded tokens per forward/backward (samples packed up to this budget); a step takes
+    batch_tokens // micro_batch_tokens consecutive micro-batches, dealt round-robin to the ranks
+    (gradient accumulation). Unset: batch_tokens / world size. Set it to get the same global
+    batches at any world size."""
     max_length: int = 2048
     """Samples longer than this are cut."""
     lr: float = 3e-4
@@ -109,6 +145,18 @@ class TrainConfig:
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype for the drafter (master weights stay float32)."""
+    attention: Literal["auto", "chunked", "flex", "reference"] = "auto"
+    """TTT attention kernel: auto = compiled flex attention on CUDA, a memory-lean chunked
+    kernel elsewhere; reference = naive [L, L+i] scores (tests)."""
+    heldout_samples: int = 0
+    """Capture samples held out of training for evaluation (simulated acceptance length)."""
+    eval_every: int = 0
+    """Evaluate on the held-out samples every N steps (and at the end); keeps the best drafter in
+    train/best/. 0: only at the end."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
+    online: bool = False
+    """Run the target forward inside training on data/ shards instead of reading capture/."""
 
 
 @dataclass
@@ -124,6 +172,27 @@ class EvaluateConfig:
     """Chain length k: tokens drafted per target verification."""
     check_lossless: bool = True
     """Assert that speculative output equals plain greedy output on every prompt."""
+    methods: list[str] = field(default_factory=lambda: ["eagle3_chain", "eagle3_tree", "ngram", "plain"])
+    """Decoders to measure: eagle3_chain, eagle3_tree, ngram (prompt lookup, the baseline), plain
+    (the reference; always run)."""
+    max_turns: int = 2
+    """Turns per multi-turn prompt (MT-Bench has 2); turn n follows the target's own answer to turn n-1."""
+    tree_depth: int = 5
+    """EAGLE-2 tree: maximum draft depth."""
+    tree_topk: int = 4
+    """EAGLE-2 tree: children expanded per node, and nodes expanded per depth."""
+    tree_budget: int = 16
+    """EAGLE-2 tree: draft tokens verified per target forward (the best by draft probability)."""
+    ngram_max: int = 3
+    """Prompt lookup: longest n-gram matched against the context (down to 1)."""
+    temperature: float = 0.0
+    """0 = greedy (lossless check applies); > 0 samples, verified by speculative rejection sampling."""
+    seed: int = 0
+    """Seed of the sampling generators (temperature > 0)."""
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    """Batch sizes to measure; 1 gives the per-prompt report, larger ones speedup at that batch size."""
+    step_costs: bool = True
+    """Measure the target's forward time over 1..64 tokens and the drafter's step time (for `plan`)."""
 
 
 @dataclass
@@ -133,6 +202,13 @@ class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["sglang"])
     """Any of: sglang, vllm."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    verifier: Optional[str] = None
+    """The target as the serving machine names it (hub id or path), written into the vLLM
+    export's speculators_config.verifier; default target.path."""
+    num_speculative_tokens: int = 3
+    """Draft tokens per step written into the vLLM export (vLLM's default for the drafter)."""
+    with_embeddings: bool = False
+    """Also write embed_tokens (both runtimes take it from the target when it is absent)."""
 
 
 @dataclass
@@ -148,6 +224,7 @@ class Recipe:
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
@@ -156,4 +233,4 @@ class Recipe:
     export: ExportConfig = field(default_factory=ExportConfig)
 
 
-STAGES = ("prepare", "capture", "vocab", "train", "evaluate", "export")
+STAGES = ("prepare", "regenerate", "capture", "vocab", "train", "evaluate", "export")

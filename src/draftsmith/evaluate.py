@@ -1,12 +1,15 @@
-"""The evaluate stage: speculative decoding with the trained drafter against plain greedy decoding.
+"""The evaluate stage: EAGLE-3 (chain and tree), n-gram and plain decoding of the same target.
 
-For every benchmark prompt (first user turn, rendered with the target's chat template) both
-decoders run in this process, one after the other, after one warm-up. Reported:
+For every benchmark prompt (MT-Bench both turns: turn 2 follows the target's own first answer;
+HumanEval; any JSONL of prompts), rendered with the target's chat template, every method runs
+in this process, one after the other, after one warm-up. Reported per method:
     tau         tokens emitted per target verification forward (the target's own token counted)
-    per position: P(accept | reached) and P(accept) for draft positions 1..k
-    tokens/s of both decoders and the speedup (plain time / speculative time)
-Speculative output must equal plain output (evaluate.check_lossless). Each prompt's result is
-appended to eval/partial.jsonl, so a killed evaluation resumes after the last finished prompt.
+    per position: P(accept | reached) and P(accept) for draft depths 1..k, and a histogram
+    tokens/s and the speedup (plain time / method time, same target, same process)
+and, for batch sizes > 1, the same over batches of prompts. Greedy speculative output must equal
+plain output (check_lossless). Step costs for `plan` (target forward over 1..64 tokens, drafter
+step) go into the manifest. Each prompt's result is appended to eval/partial.jsonl, so a killed
+evaluation resumes after the last finished prompt.
 """
 from __future__ import annotations
 
@@ -23,9 +26,13 @@ from .artifacts import (DraftsmithError, atomic_write_bytes, atomic_write_json, 
                         load_manifest, log, new_manifest, require_complete, sha256_file, stage_dir,
                         write_manifest)
 from .config import Recipe
-from .speculate.engine import plain_generate, speculative_generate
+from .speculate.eagle3 import Eagle3Proposer
+from .speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
+from .speculate.ngram import NgramProposer
 
 PARTIAL = "partial.jsonl"
+SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
+STEP_COST_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 # Relative top-1 vs chosen-token logit gap below which a divergence counts as a rounding tie:
 # a verify forward over k+1 rows may round differently from single-row forwards.
 TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -66,18 +73,87 @@ def eos_token_ids(target) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
-def render_prompt(tokenizer, text: str, where: str) -> list[int]:
-    """First user turn -> chat-template token ids, ending with the assistant header."""
+def render_prompt(tokenizer, text: str | list[dict], where: str) -> list[int]:
+    """A user turn (or a whole conversation ending with a user turn) -> chat-template token ids,
+    ending with the assistant header."""
     if not getattr(tokenizer, "chat_template", None):
         raise DraftsmithError(f"{where}: the target tokenizer has no chat template; add `chat_template` to its "
                               "tokenizer_config.json (or a chat_template.jinja next to it)")
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
     try:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:
         raise DraftsmithError(f"{where}: chat template failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
                               "fix the prompt or the template") from None
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def answer_text(tokenizer, new_tokens: list[int], eos_ids: list[int]) -> str:
+    """The target's answer as text for the next turn (EOS dropped)."""
+    return tokenizer.decode([t for t in new_tokens if t not in eos_ids], skip_special_tokens=True).strip()
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def check_methods(cfg, where: str) -> list[str]:
+    """Methods in a fixed order; plain is the reference and always runs."""
+    bad = [m for m in cfg.methods if m not in (*SPEC_METHODS, "plain")]
+    if bad:
+        raise DraftsmithError(f"{where}: evaluate.methods {bad} unknown; choose from {[*SPEC_METHODS, 'plain']}")
+    if cfg.draft_steps < 1 or cfg.max_new_tokens < 1 or cfg.tree_depth < 1 or cfg.tree_topk < 1 or cfg.tree_budget < 1:
+        raise DraftsmithError(f"{where}: evaluate.draft_steps, max_new_tokens, tree_depth, tree_topk and tree_budget "
+                              "must be >= 1")
+    if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
+        raise DraftsmithError(f"{where}: evaluate.batch_sizes {cfg.batch_sizes} must be a non-empty list of sizes >= 1")
+    return [m for m in SPEC_METHODS if m in cfg.methods]
+
+
+def method_depth(cfg, method: str) -> int:
+    return cfg.tree_depth if method == "eagle3_tree" else cfg.draft_steps
+
+
+def make_proposer(method: str, drafter, cfg, batch: int, generator=None):
+    if method == "eagle3_chain":
+        return Eagle3Proposer(drafter, topk=1, budget=cfg.draft_steps, temperature=cfg.temperature, generator=generator)
+    if method == "eagle3_tree":
+        return Eagle3Proposer(drafter, topk=cfg.tree_topk, budget=cfg.tree_budget, temperature=cfg.temperature,
+                              generator=generator)
+    if method == "ngram":
+        return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
+    raise ValueError(method)
+
+
+def _generator(target, cfg, salt: int) -> Optional[torch.Generator]:
+    if cfg.temperature <= 0:
+        return None
+    return torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + salt)
+
+
+def _timed(target, fn):
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    t0 = time.perf_counter()
+    r = fn()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    return r, time.perf_counter() - t0
+
+
+def run_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None) -> tuple[list[list[int]], float]:
+    n, T = cfg.max_new_tokens, cfg.temperature
+    if len(prompts) == 1:
+        out, s = _timed(target, lambda: plain_generate(target, prompts[0], n, eos_ids, T, generator))
+        return [out], s
+    return _timed(target, lambda: plain_generate_batch(target, prompts, n, eos_ids, T, generator))
+
+
+def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_ids, generator=None, max_new_tokens=None):
+    """(new tokens per prompt, SpecStats per prompt, wall seconds) of one speculative method."""
+    prop = make_proposer(method, drafter, cfg, len(prompts), generator)
+    (new, stats), s = _timed(target, lambda: generate(target, prop, prompts, max_new_tokens or cfg.max_new_tokens,
+                                                      method_depth(cfg, method), eos_ids, cfg.temperature, generator))
+    return new, stats, s
 
 
 # ----------------------------------------------------------------------------- one prompt
@@ -101,31 +177,97 @@ def _near_tie(target, prompt_ids: list[int], plain: list[int], spec: list[int], 
     return gap if gap <= TIE_TOLERANCE.get(target.dtype, 1e-5) else None
 
 
-def evaluate_prompt(target, drafter, prompt_ids: list[int], max_new_tokens: int, draft_steps: int,
-                    eos_ids: list[int], check_lossless: bool, where: str) -> dict:
-    t0 = time.perf_counter()
-    plain = plain_generate(target, prompt_ids, max_new_tokens, eos_ids)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-    plain_s = time.perf_counter() - t0
-    spec, st = speculative_generate(target, drafter, prompt_ids, max_new_tokens, draft_steps, eos_ids)
-    rec = {"prompt_tokens": len(prompt_ids), "new_tokens": len(spec), "plain_new_tokens": len(plain),
-           "plain_s": plain_s, "spec_s": st.wall_s, "target_s": st.target_s, "draft_s": st.draft_s,
-           "rounds": st.rounds, "emitted": sum(st.emitted_per_round),
-           "drafted_per_round": st.drafted_per_round, "accepted_per_round": st.accepted_per_round,
-           "drafted": st.drafted, "reached": st.reached, "accepted": st.accepted,
-           "lossless": spec == plain, "first_difference": None, "near_tie_gap": None}
+def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, method: str) -> dict:
+    """{lossless, first_difference, near_tie_gap}; raises on a real (non-tie) divergence when `check`."""
+    rec = {"lossless": spec == plain, "first_difference": None, "near_tie_gap": None}
     if spec != plain:
         pos = _first_difference(plain, spec)
         gap = _near_tie(target, prompt_ids, plain, spec, pos)
         rec.update(first_difference=pos, near_tie_gap=gap)
-        if check_lossless and gap is None:
+        if check and gap is None:
             got = spec[pos] if pos < len(spec) else "end"
             want = plain[pos] if pos < len(plain) else "end"
-            raise DraftsmithError(f"{where}: speculative output differs from plain greedy decoding at new token {pos} "
-                                  f"(plain {want}, speculative {got}) and it is no rounding tie; this is a draftsmith "
+            raise DraftsmithError(f"{where}: {method}: speculative output differs from plain greedy decoding at new token "
+                                  f"{pos} (plain {want}, speculative {got}) and it is no rounding tie; this is a draftsmith "
                                   "bug, please report it (set evaluate.check_lossless false to measure anyway)")
     return rec
+
+
+def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[str], eos_ids: list[int],
+                    salt: int, where: str) -> dict:
+    """Plain and every method on one prompt, batch 1."""
+    [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, _generator(target, cfg, salt))
+    rec = {"prompt_tokens": len(prompt_ids), "plain_new_tokens": len(plain), "plain_s": plain_s, "plain_tokens": plain,
+           "methods": {}}
+    for m in methods:
+        [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, _generator(target, cfg, salt))
+        r = {"new_tokens": len(spec), "spec_s": spec_s, "target_s": st.target_s, "draft_s": st.draft_s,
+             "rounds": st.rounds, "emitted": sum(st.emitted_per_round),
+             "drafted_per_round": st.drafted_per_round, "accepted_per_round": st.accepted_per_round,
+             "drafted": st.drafted, "reached": st.reached, "accepted": st.accepted}
+        if cfg.temperature <= 0:
+            r.update(lossless_check(target, prompt_ids, plain, spec, cfg.check_lossless, where, m))
+        rec["methods"][m] = r
+    return rec
+
+
+def evaluate_batch(target, drafter, prompts: list[list[int]], references: list[list[int]], cfg, methods, eos_ids,
+                   salt: int) -> dict:
+    """Plain and every method on one batch of prompts; outputs compared with the batch-1 plain ones."""
+    plain, plain_s = run_plain(target, prompts, cfg, eos_ids, _generator(target, cfg, salt))
+    rec = {"batch_size": len(prompts), "plain_s": plain_s, "plain_new_tokens": sum(map(len, plain)), "methods": {}}
+    for m in methods:
+        new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, _generator(target, cfg, salt))
+        rec["methods"][m] = {"spec_s": s, "new_tokens": sum(map(len, new)), "rounds": sum(st.rounds for st in stats),
+                             "emitted": sum(sum(st.emitted_per_round) for st in stats),
+                             "identical": sum(a == b for a, b in zip(new, references))}
+    return rec
+
+
+# ----------------------------------------------------------------------------- step costs
+
+
+@torch.inference_mode()
+def measure_step_costs(target, drafter, context: list[int], repeats: int = 3) -> dict:
+    """Target forward time over n = 1..64 new tokens after `context` (cache cropped back each time),
+    and the drafter's step time over 1 row (chain) and `topk`-wide rows; medians, in ms."""
+    from .speculate.engine import crop_cache
+
+    dev = target.device
+    out = target.forward(torch.tensor([context], device=dev), use_cache=True)
+    cache, C = out.past_key_values, len(context)
+
+    def median_ms(fn) -> float:
+        fn()  # warm-up
+        ts = sorted(_timed(target, fn)[1] for _ in range(repeats))
+        return 1000 * ts[len(ts) // 2]
+
+    forward_ms = {}
+    for n in STEP_COST_TOKENS:
+        ids = torch.tensor([context[-1:] * n], device=dev)
+        pos = torch.arange(C, C + n, device=dev)[None]
+
+        def step():
+            target.forward(ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            crop_cache(cache, C)
+        forward_ms[str(n)] = median_ms(step)
+
+    prop = Eagle3Proposer(drafter, topk=1, budget=1)
+    prop.start([context], [out])
+    d = drafter
+    row = {}
+    for width in (1, 4):
+        ids = torch.tensor([context[-1:] * width], device=dev)
+        g = prop.g_last[:, None].expand(1, width, -1).contiguous()
+        pos = prop.rows[:, None].expand(1, width)
+        L = prop.cache.length
+
+        def dstep():
+            d.logits(d(ids, g, pos, prop.cache))
+            prop.cache.crop(L)
+        row[width] = median_ms(dstep)
+    return {"context_tokens": C, "batch_size": 1, "device": str(dev), "dtype": str(target.dtype).replace("torch.", ""),
+            "target_forward_ms": forward_ms, "draft_step_ms": row[1], "draft_step_ms_4_rows": row[4]}
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -135,34 +277,55 @@ def _ratio(a: float, b: float) -> Optional[float]:
     return a / b if b else None
 
 
-def summarize(records: list[dict], k: int) -> dict:
-    def agg(rs: list[dict]) -> dict:
-        new, plain_new = sum(r["new_tokens"] for r in rs), sum(r["plain_new_tokens"] for r in rs)
-        spec_s, plain_s = sum(r["spec_s"] for r in rs), sum(r["plain_s"] for r in rs)
-        return {"prompts": len(rs), "new_tokens": new, "rounds": sum(r["rounds"] for r in rs),
-                "tau": _ratio(sum(r["emitted"] for r in rs), sum(r["rounds"] for r in rs)),
+def summarize_method(records: list[dict], method: str, k: int) -> dict:
+    rows = [(r, r["methods"][method]) for r in records if method in r["methods"]]
+
+    def agg(rs) -> dict:
+        new, plain_new = sum(m["new_tokens"] for _, m in rs), sum(r["plain_new_tokens"] for r, _ in rs)
+        spec_s, plain_s = sum(m["spec_s"] for _, m in rs), sum(r["plain_s"] for r, _ in rs)
+        return {"prompts": len(rs), "new_tokens": new, "rounds": sum(m["rounds"] for _, m in rs),
+                "tau": _ratio(sum(m["emitted"] for _, m in rs), sum(m["rounds"] for _, m in rs)),
                 "tokens_per_s_spec": _ratio(new, spec_s), "tokens_per_s_plain": _ratio(plain_new, plain_s),
                 "speedup": _ratio(plain_s, spec_s), "spec_s": spec_s, "plain_s": plain_s,
-                "target_s": sum(r["target_s"] for r in rs), "draft_s": sum(r["draft_s"] for r in rs)}
+                "target_s": sum(m["target_s"] for _, m in rs), "draft_s": sum(m["draft_s"] for _, m in rs)}
 
-    per_pos = {name: [sum(r[name][j] for r in records) for j in range(k)] for name in ("drafted", "reached", "accepted")}
+    per_pos = {name: [sum(m[name][j] for _, m in rows) for j in range(k)] for name in ("drafted", "reached", "accepted")}
     hist = [0] * (k + 1)  # over rounds that drafted (the last round of a prompt may not)
-    for r in records:
-        for d, a in zip(r["drafted_per_round"], r["accepted_per_round"]):
+    for _, m in rows:
+        for d, a in zip(m["drafted_per_round"], m["accepted_per_round"]):
             hist[a] += d > 0
-    benchmarks = {}
-    for r in records:
-        benchmarks.setdefault(benchmark_name(r["benchmark"]), []).append(r)
-    return {
-        "overall": agg(records),
-        "per_benchmark": {b: agg(rs) for b, rs in benchmarks.items()},
-        "per_position": {**per_pos,
-                         "accept_rate": [_ratio(a, n) for a, n in zip(per_pos["accepted"], per_pos["reached"])],
-                         "accept_rate_unconditional": [_ratio(a, n) for a, n in zip(per_pos["accepted"], per_pos["drafted"])]},
-        "accepted_length_histogram": hist,
-        "lossless": {"checked": len(records), "identical": sum(r["lossless"] for r in records),
-                     "near_tie_divergences": sum(r["near_tie_gap"] is not None for r in records)},
-    }
+    benchmarks: dict[str, list] = {}
+    for r, m in rows:
+        benchmarks.setdefault(benchmark_name(r["benchmark"]), []).append((r, m))
+    out = {"overall": agg(rows), "per_benchmark": {b: agg(rs) for b, rs in benchmarks.items()},
+           "per_position": {**per_pos,
+                            "accept_rate": [_ratio(a, n) for a, n in zip(per_pos["accepted"], per_pos["reached"])],
+                            "accept_rate_unconditional": [_ratio(a, n) for a, n in zip(per_pos["accepted"], per_pos["drafted"])]},
+           "accepted_length_histogram": hist}
+    if rows and "lossless" in rows[0][1]:
+        out["lossless"] = {"checked": len(rows), "identical": sum(m["lossless"] for _, m in rows),
+                           "near_tie_divergences": sum(m["near_tie_gap"] is not None for _, m in rows)}
+    return out
+
+
+def summarize(records: list[dict], batch_records: list[dict], cfg, methods: list[str]) -> dict:
+    plain_new, plain_s = sum(r["plain_new_tokens"] for r in records), sum(r["plain_s"] for r in records)
+    summary = {"plain": {"prompts": len(records), "new_tokens": plain_new, "plain_s": plain_s,
+                         "tokens_per_s": _ratio(plain_new, plain_s)},
+               "methods": {m: summarize_method(records, m, method_depth(cfg, m)) for m in methods},
+               "batches": {}}
+    for B in sorted({r["batch_size"] for r in batch_records}):
+        rs = [r for r in batch_records if r["batch_size"] == B]
+        p_s, p_new = sum(r["plain_s"] for r in rs), sum(r["plain_new_tokens"] for r in rs)
+        row = {"batches": len(rs), "plain_tokens_per_s": _ratio(p_new, p_s), "methods": {}}
+        for m in methods:
+            ms = [r["methods"][m] for r in rs]
+            s, new = sum(x["spec_s"] for x in ms), sum(x["new_tokens"] for x in ms)
+            row["methods"][m] = {"tau": _ratio(sum(x["emitted"] for x in ms), sum(x["rounds"] for x in ms)),
+                                 "tokens_per_s": _ratio(new, s), "speedup": _ratio(p_s, s),
+                                 "identical": sum(x["identical"] for x in ms)}
+        summary["batches"][str(B)] = row
+    return summary
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -181,60 +344,78 @@ def _f(x: Optional[float], nd: int = 2) -> str:
 
 
 def table_rows(summary: dict) -> list[list[str]]:
-    rows = [["benchmark", "prompts", "tokens", "tau", "spec tok/s", "plain tok/s", "speedup"]]
-    items = list(summary["per_benchmark"].items()) + [("all", summary["overall"])]
-    for name, s in items:
-        rows.append([name, str(s["prompts"]), str(s["new_tokens"]), _f(s["tau"]), _f(s["tokens_per_s_spec"], 1),
-                     _f(s["tokens_per_s_plain"], 1), _f(s["speedup"])])
+    """One row per method and benchmark (plus `all`); plain is the reference (speedup 1)."""
+    rows = [["method", "benchmark", "prompts", "tokens", "tau", "tok/s", "speedup", "lossless"]]
+    for m, s in summary["methods"].items():
+        items = list(s["per_benchmark"].items())
+        items = (items if len(items) > 1 else []) + [("all", s["overall"])]
+        ll = s.get("lossless")
+        for name, a in items:
+            rows.append([m, name, str(a["prompts"]), str(a["new_tokens"]), _f(a["tau"]), _f(a["tokens_per_s_spec"], 1),
+                         _f(a["speedup"]), f"{ll['identical']}/{ll['checked']}" if ll and name == "all" else "-"])
+    p = summary["plain"]
+    rows.append(["plain", "all", str(p["prompts"]), str(p["new_tokens"]), "1.00", _f(p["tokens_per_s"], 1), "1.00", "-"])
+    for B, row in summary["batches"].items():
+        for m, a in row["methods"].items():
+            rows.append([f"{m} bs{B}", "all", str(row["batches"]) + " batches", "-", _f(a["tau"]), _f(a["tokens_per_s"], 1),
+                         _f(a["speedup"]), "-"])
     return rows
 
 
-def render_report(summary: dict, recipe: Recipe) -> str:
-    def md(rows):
-        return "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
-                          *("| " + " | ".join(r) + " |" for r in rows[1:])])
+def _md(rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+                      *("| " + " | ".join(r) + " |" for r in rows[1:])])
 
+
+def render_report(summary: dict, recipe: Recipe) -> str:
     e = recipe.evaluate
-    pp = summary["per_position"]
-    pos_rows = [["position", "drafted", "reached", "accepted", "accepted / reached", "accepted / drafted"]]
-    for j in range(len(pp["drafted"])):
-        pos_rows.append([str(j + 1), str(pp["drafted"][j]), str(pp["reached"][j]), str(pp["accepted"][j]),
-                         _f(pp["accept_rate"][j], 3), _f(pp["accept_rate_unconditional"][j], 3)])
-    hist = summary["accepted_length_histogram"]
-    total = sum(hist) or 1
-    hist_rows = [["accepted drafts", "rounds", "share"]] + [[str(a), str(n), f"{n / total:.1%}"] for a, n in enumerate(hist)]
-    ll = summary["lossless"]
-    return "\n\n".join([
-        f"# Evaluation: {recipe.name}",
-        f"Target `{recipe.target.path}`, chain drafting k={e.draft_steps}, greedy, max_new_tokens={e.max_new_tokens}. "
-        "tau = tokens per target verification forward (the target's own token counted); "
-        "speedup = plain decoding time / speculative decoding time, same process.",
-        md(table_rows(summary)),
-        "## Acceptance per draft position", md(pos_rows),
-        "## Accepted drafts per round (rounds that drafted)", md(hist_rows),
-        f"Lossless: {ll['identical']}/{ll['checked']} prompts token-identical to plain greedy decoding"
-        + (f"; {ll['near_tie_divergences']} diverged at a rounding tie." if ll["near_tie_divergences"] else "."),
-    ]) + "\n"
+    mode = "greedy" if e.temperature <= 0 else f"sampling at temperature {e.temperature}"
+    parts = [f"# Evaluation: {recipe.name}",
+             f"Target `{recipe.target.path}`, {mode}, max_new_tokens={e.max_new_tokens}; eagle3_chain k={e.draft_steps}, "
+             f"eagle3_tree depth={e.tree_depth} top-k={e.tree_topk} budget={e.tree_budget}, ngram k={e.draft_steps} "
+             f"(n <= {e.ngram_max}). tau = tokens per target verification forward (the target's own token counted); "
+             "speedup = plain decoding time / method time, same target, same process.",
+             _md(table_rows(summary))]
+    for m, s in summary["methods"].items():
+        pp = s["per_position"]
+        pos_rows = [["depth", "drafted", "reached", "accepted", "accepted / reached", "accepted / drafted"]]
+        for j in range(len(pp["drafted"])):
+            pos_rows.append([str(j + 1), str(pp["drafted"][j]), str(pp["reached"][j]), str(pp["accepted"][j]),
+                             _f(pp["accept_rate"][j], 3), _f(pp["accept_rate_unconditional"][j], 3)])
+        hist = s["accepted_length_histogram"]
+        total = sum(hist) or 1
+        hist_rows = [["accepted drafts", "rounds", "share"]] + [[str(a), str(n), f"{n / total:.1%}"] for a, n in enumerate(hist)]
+        parts += [f"## {m}: acceptance per draft position", _md(pos_rows),
+                  f"## {m}: accepted drafts per round (rounds that drafted)", _md(hist_rows)]
+        ll = s.get("lossless")
+        if ll:
+            parts.append(f"Lossless: {ll['identical']}/{ll['checked']} prompts token-identical to plain greedy decoding"
+                         + (f"; {ll['near_tie_divergences']} diverged at a rounding tie." if ll["near_tie_divergences"] else "."))
+    return "\n\n".join(parts) + "\n"
 
 
 def plot_acceptance(summary: dict) -> bytes:
+    """Left: share of rounds by accepted drafts, per method. Right: P(accept | reached) per depth."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4))
+    fig = Figure(figsize=(11, 4))
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
-    hist = summary["accepted_length_histogram"]
-    ax1.bar(range(len(hist)), hist, color="tab:blue")
-    ax1.set(xlabel="accepted drafts per round", ylabel="rounds", title=f"tau = {_f(summary['overall']['tau'])}")
-    pp = summary["per_position"]
-    x = range(1, len(pp["accept_rate"]) + 1)
-    w = 0.4
-    ax2.bar([i - w / 2 for i in x], [r or 0 for r in pp["accept_rate"]], w, label="accepted / reached")
-    ax2.bar([i + w / 2 for i in x], [r or 0 for r in pp["accept_rate_unconditional"]], w, label="accepted / drafted")
-    ax2.set(xlabel="draft position", ylabel="acceptance", ylim=(0, 1), title="acceptance per position")
-    ax2.set_xticks(list(x))
-    ax2.legend()
+    methods = summary["methods"]
+    w = 0.8 / max(len(methods), 1)
+    for i, (m, s) in enumerate(methods.items()):
+        hist = s["accepted_length_histogram"]
+        total = sum(hist) or 1
+        ax1.bar([a + (i - (len(methods) - 1) / 2) * w for a in range(len(hist))], [n / total for n in hist], w,
+                label=f"{m} (tau {_f(s['overall']['tau'])})")
+        rates = s["per_position"]["accept_rate"]
+        ax2.bar([j + 1 + (i - (len(methods) - 1) / 2) * w for j in range(len(rates))], [r or 0 for r in rates], w, label=m)
+    ax1.set(xlabel="accepted drafts per round", ylabel="share of rounds", title="accepted length")
+    ax2.set(xlabel="draft depth", ylabel="accepted / reached", ylim=(0, 1), title="acceptance per draft position")
+    for ax in (ax1, ax2):
+        if methods:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -244,7 +425,7 @@ def plot_acceptance(summary: dict) -> bytes:
 def _print_table(rows: list[list[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
 # ----------------------------------------------------------------------------- stage
@@ -278,8 +459,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     out_dir = stage_dir(run_dir, "evaluate")
     drafter_dir = stage_dir(run_dir, "train") / "drafter"
     train = require_complete(stage_dir(run_dir, "train"), "train")
-    if cfg.draft_steps < 1 or cfg.max_new_tokens < 1:
-        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: evaluate.draft_steps and evaluate.max_new_tokens must be >= 1")
+    methods = check_methods(cfg, str(run_dir / "recipe.yaml"))
 
     old = load_manifest(out_dir)
     resuming = old is not None and old.get("status") == "running" and old.get("fingerprint") == fp
@@ -291,11 +471,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     target, drafter = load_models(recipe, drafter_dir)
     eos = eos_token_ids(target)
-    todo = []
+    todo = []  # (key, bench, prompt, turn index)
     for bench in cfg.benchmarks:
         for i, p in enumerate(load_prompts(bench, cfg.max_prompts)):
-            where = f"{bench}: prompt {p.id}"
-            todo.append((f"{bench}#{i}", bench, p, render_prompt(target.tokenizer, p.turns[0], where), where))
+            todo.append((f"{bench}#{i}", bench, p))
 
     manifest = new_manifest("evaluate", fp, cfg, {"train": train["fingerprint"],
                                                   "drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
@@ -303,42 +482,77 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         manifest["started_at"] = old.get("started_at", manifest["started_at"])
     write_manifest(out_dir, manifest)
     if done:
-        log(f"[evaluate] resuming: {len(done)}/{len(todo)} prompts already measured")
+        log(f"[evaluate] resuming: {len(done)} measurements already done")
 
-    k = cfg.draft_steps
-    pending = [t for t in todo if t[0] not in done]
-    if pending:  # warm-up: first calls pay for allocation and kernel selection
-        ids = pending[0][3]
-        plain_generate(target, ids, min(8, cfg.max_new_tokens), eos)
-        speculative_generate(target, drafter, ids, min(8, cfg.max_new_tokens), k, eos)
-    records = []
-    for n, (key, bench, p, ids, where) in enumerate(todo, 1):
-        if key in done:
-            records.append(done[key])
-            continue
-        rec = {"key": key, "benchmark": bench, "id": p.id, "category": p.category,
-               **evaluate_prompt(target, drafter, ids, cfg.max_new_tokens, k, eos, cfg.check_lossless, where)}
-        _append(partial, rec)
-        records.append(rec)
-        log(f"[evaluate] {n}/{len(todo)} {where}: {rec['new_tokens']} tokens, "
-            f"tau {_f(rec['emitted'] / rec['rounds'] if rec['rounds'] else None)}, "
-            f"speedup {_f(rec['plain_s'] / rec['spec_s'] if rec['spec_s'] else None)}")
+    warm = False
+    records, rendered = [], []  # rendered: (prompt ids, batch-1 plain output) of every turn, for batches
+    for n, (key, bench, p) in enumerate(todo, 1):
+        history: list[dict] = []
+        for turn, text in enumerate(p.turns[:max(cfg.max_turns, 1)]):
+            where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
+            history.append({"role": "user", "content": text})
+            ids = render_prompt(target.tokenizer, list(history), where)
+            tkey = key if turn == 0 else f"{key}/turn{turn + 1}"
+            rec = done.get(tkey)
+            if rec is None:
+                if not warm:  # first calls pay for allocation and kernel selection
+                    plain_generate(target, ids, min(8, cfg.max_new_tokens), eos)
+                    for m in methods:
+                        run_method(target, drafter, m, [ids], cfg, eos, _generator(target, cfg, -1), min(8, cfg.max_new_tokens))
+                    warm = True
+                rec = {"key": tkey, "benchmark": bench, "id": p.id, "category": p.category, "turn": turn + 1,
+                       **evaluate_prompt(target, drafter, ids, cfg, methods, eos, len(records), where)}
+                _append(partial, rec)
+                log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
+                    f"{m} tau {_f(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
+                    f"{_f(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
+            records.append(rec)
+            rendered.append((ids, rec["plain_tokens"]))
+            history.append({"role": "assistant", "content": answer_text(target.tokenizer, rec["plain_tokens"], eos)})
 
-    summary = summarize(records, k)
-    atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "prompts": records})
+    batch_records = []
+    for B in sorted({b for b in cfg.batch_sizes if b > 1}):
+        for j in range(0, len(rendered) - B + 1, B):  # full batches only
+            bkey = f"batch{B}#{j // B}"
+            rec = done.get(bkey)
+            if rec is None:
+                chunk = rendered[j:j + B]
+                rec = {"key": bkey, **evaluate_batch(target, drafter, [c[0] for c in chunk], [c[1] for c in chunk],
+                                                     cfg, methods, eos, j)}
+                _append(partial, rec)
+                log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
+                    f"{m} speedup {_f(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
+            batch_records.append(rec)
+
+    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1]) if cfg.step_costs and rendered else None
+    summary = summarize(records, batch_records, cfg, methods)
+    atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,
+                                                 "prompts": records, "batches": batch_records})
     atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
     atomic_write_bytes(out_dir / "acceptance.png", plot_acceptance(summary))
     _print_table(table_rows(summary))
 
-    o = summary["overall"]
-    manifest["counts"] = {"prompts": len(records), "new_tokens": o["new_tokens"], "rounds": o["rounds"],
-                          "near_tie_divergences": summary["lossless"]["near_tie_divergences"]}
+    # The headline figures: EAGLE-3 chain (the planner's per-position profile is a chain's).
+    main = next((m for m in ("eagle3_chain", "eagle3_tree", "ngram") if m in methods), None)
+    o = summary["methods"][main]["overall"] if main else {}
+    manifest["counts"] = {"prompts": len(records), "plain_new_tokens": summary["plain"]["new_tokens"],
+                          "batches": len(batch_records),
+                          "near_tie_divergences": sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
+                                                      for s in summary["methods"].values())}
     manifest["metrics"] = {
-        "tau": o["tau"], "tau_per_benchmark": {b: s["tau"] for b, s in summary["per_benchmark"].items()},
-        "accept_rate_per_position": summary["per_position"]["accept_rate"],
-        "accept_rate_per_position_unconditional": summary["per_position"]["accept_rate_unconditional"],
-        "tokens_per_s_spec": o["tokens_per_s_spec"], "tokens_per_s_plain": o["tokens_per_s_plain"],
-        "speedup": o["speedup"], "num_prompts": len(records), "draft_steps": k}
-    manifest["timings"] = {"spec_s": o["spec_s"], "plain_s": o["plain_s"], "target_s": o["target_s"], "draft_s": o["draft_s"]}
+        "method": main, "tau": o.get("tau"),
+        "tau_per_benchmark": {b: s["tau"] for b, s in summary["methods"][main]["per_benchmark"].items()} if main else {},
+        "accept_rate_per_position": summary["methods"][main]["per_position"]["accept_rate"] if main else [],
+        "accept_rate_per_position_unconditional":
+            summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
+        "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
+        "speedup": o.get("speedup"), "num_prompts": len(records), "draft_steps": cfg.draft_steps,
+        "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
+                        "tokens_per_s": s["overall"]["tokens_per_s_spec"]} for m, s in summary["methods"].items()},
+        "batches": {B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()}}
+    if step_costs:
+        manifest["step_costs"] = step_costs
+    manifest["timings"] = {"plain_s": summary["plain"]["plain_s"],
+                           **{f"{m}_s": s["overall"]["spec_s"] for m, s in summary["methods"].items()}}
     manifest["files"] = ["results.json", "report.md", "acceptance.png"]
     return finish_manifest(out_dir, manifest)

@@ -25,12 +25,18 @@ from .config import STAGES, Recipe
 # stage -> (module, config sections it depends on, upstream stages)
 STAGE_DEPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "prepare": ("draftsmith.data.prepare", ("prepare",), ()),
-    "capture": ("draftsmith.target.capture", ("capture",), ("prepare",)),
+    "regenerate": ("draftsmith.data.regenerate", ("regenerate",), ("prepare",)),
+    "capture": ("draftsmith.target.capture", ("capture",), ("prepare", "regenerate")),
     "vocab": ("draftsmith.vocab", ("vocab",), ("prepare",)),
     "train": ("draftsmith.train.loop", ("draft", "train", "seed"), ("capture", "vocab")),
     "evaluate": ("draftsmith.evaluate", ("evaluate",), ("train",)),
     "export": ("draftsmith.export", ("export",), ("train",)),
 }
+
+
+def upstream_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
+    """A stage's upstream stages in this recipe: regenerate counts only when enabled."""
+    return tuple(u for u in STAGE_DEPS[stage][2] if u != "regenerate" or recipe.regenerate.enabled)
 
 
 def target_fingerprint(recipe: Recipe) -> str:
@@ -58,9 +64,9 @@ def hash_bytes(b: bytes) -> str:
 
 
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
-    _, sections, upstream = STAGE_DEPS[stage]
+    _, sections, _ = STAGE_DEPS[stage]
     up = {}
-    for u in upstream:
+    for u in upstream_of(stage, recipe):
         m = load_manifest(stage_dir(run_dir, u))
         up[u] = m["fingerprint"] if m and m.get("status") == "complete" else None
     cfg = {s: getattr(recipe, s) for s in sections}
@@ -87,8 +93,11 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_recipe(recipe, run_dir)
     ledger = Ledger(run_dir)
-    module_name, _, upstream = STAGE_DEPS[stage]
-    for u in upstream:
+    module_name = STAGE_DEPS[stage][0]
+    if stage == "regenerate" and not recipe.regenerate.enabled:
+        log("[regenerate] regenerate.enabled is false; skipped (capture reads data/)")
+        return {}  # optional stage, off: no folder, no ledger entry
+    for u in upstream_of(stage, recipe):
         if stage_status(run_dir, u) != "complete":
             raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
     fp = stage_fingerprint(stage, recipe, run_dir)

@@ -5,8 +5,10 @@
 
 A stage is done (complete manifest), failed (a stage_failed event after its last start),
 interrupted (a stage_interrupted event, or a `running` manifest whose process is gone),
-running, or pending. New sections (instructions, discoveries, ...) are one function each
-added to SECTIONS, reading what `collect` gathered.
+running, or pending. The document has seven sections (SECTIONS): Goal, Instructions (constraints
+in force), Discoveries (hardware, versions, target facts, measured figures, planner prediction
+vs measurement), Accomplished (per stage), Relevant files, Immediate next step, and Sources:
+every figure carries a [n] marker naming the file (and key) it was read from.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ HEADLINES: dict[str, Callable[[dict], dict]] = {
     "capture": lambda m: {"tokens": m["counts"].get("tokens"), "bytes_per_token": m.get("bytes_per_token"),
                           "storage_dtype": m.get("storage_dtype"), "aux_layer_ids": m.get("aux_layer_ids"),
                           "tokens_per_s": m["metrics"].get("capture_tokens_per_s")},
+    "regenerate": lambda m: {"kept": m["counts"].get("kept"), "conversations": m["counts"].get("conversations"),
+                             "truncated": m["counts"].get("truncated"), "failed": m["counts"].get("failed")},
     "vocab": lambda m: {"draft_vocab_size": m["metrics"].get("draft_vocab_size"), "coverage": m["metrics"].get("coverage")},
     "train": lambda m: {"steps": m["counts"].get("steps", m["metrics"].get("steps")), "loss": m["metrics"].get("loss"),
                         "acc_per_position": m["metrics"].get("acc_per_position"),
@@ -51,7 +55,7 @@ HEADLINES: dict[str, Callable[[dict], dict]] = {
 
 def _fmt(key: str, v: Any) -> str:
     if isinstance(v, float):
-        if key in ("coverage",):
+        if "coverage" in key:
             return f"{v:.1%}"
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
     if isinstance(v, int) and not isinstance(v, bool):
@@ -138,7 +142,8 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict) -> dict:
             continue
         cmd = f"draftsmith {name} {recipe_path}"
         text = {
-            "failed": f"{name} failed: {s['error']}. Fix that, then rerun `{cmd}`.",
+            "failed": f"{name} failed: {s['error']}. " + (f"Hint: {fix_hint(s['error'])}. " if fix_hint(s["error"]) else "")
+                      + f"Fix that, then rerun `{cmd}`.",
             "interrupted": f"{name} was interrupted; `{cmd}` resumes it after what it finished.",
             "running": f"{name} is running; `draftsmith status {run_dir}` to follow it.",
             "pending": f"run `{cmd}` (or `draftsmith run {recipe_path}` for every remaining stage).",
@@ -152,7 +157,214 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict) -> dict:
     return {"stage": None, "state": "done", "text": f"every stage is complete; serve the drafter with `{cmd}`", "command": cmd}
 
 
-RELEVANT_FILES = ["recipe.yaml", LEDGER, "eval/report.md", "eval/acceptance.png", "train/drafter", "export/sglang"]
+RELEVANT_FILES = ["recipe.yaml", LEDGER, "data/manifest.json", "capture/manifest.json", "vocab/vocab.safetensors",
+                  "train/drafter", "train/tensorboard", "eval/results.json", "eval/report.md", "eval/acceptance.png",
+                  "export/sglang", "export/vllm", "plan.json", "probe/report.md"]
+
+# Substrings of an error -> what usually fixes it (DraftsmithErrors already carry their fix).
+FIX_HINTS = [
+    ("out of memory", "lower the stage's batch_tokens (or max_length), or free the GPU: `draftsmith doctor RECIPE`"),
+    ("no space left", "free disk space or move run_dir; `draftsmith doctor RECIPE` compares free disk with the capture size"),
+    ("cuda", "check the GPU with `draftsmith doctor RECIPE`"),
+]
+
+
+def fix_hint(error: Optional[str]) -> Optional[str]:
+    if not error or ";" in error:  # a DraftsmithError names its own fix after the ';'
+        return None
+    low = error.lower()
+    return next((hint for key, hint in FIX_HINTS if key in low),
+                "see the traceback in ledger.jsonl (event stage_failed); `draftsmith doctor RECIPE` checks the setup")
+
+
+# ----------------------------------------------------------------------------- facts with sources
+
+
+def fact(label: str, value: Any, source: str) -> Optional[dict]:
+    """One figure and where it was read: `source` is 'FILE: key.path' relative to the run dir."""
+    return None if value in (None, [], {}, "") else {"label": label, "value": value, "source": source}
+
+
+def _get(d: dict, path: str) -> Any:
+    for k in path.split("."):
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def _manifests(run_dir: Path) -> dict[str, dict]:
+    out = {}
+    for s in STAGES:
+        try:
+            m = load_manifest(stage_dir(run_dir, s))
+        except DraftsmithError:
+            m = None
+        if m is not None:
+            out[s] = m
+    return out
+
+
+def _mf(stage: str) -> str:
+    return f"{stage_dir('', stage).as_posix().lstrip('/')}/manifest.json"
+
+
+def instructions(recipe: dict) -> list[dict]:
+    """Constraints in force: tested versions, precision, hardware, options (recipe.yaml)."""
+    from .doctor import TESTED
+
+    r = lambda key: _get(recipe, key)  # noqa: E731
+    aux = r("target.aux_layer_ids")
+    facts = [
+        fact("tested versions", ", ".join(f"{k} {lo}" + (f"–{hi}" if hi != lo else "") for k, (lo, hi) in TESTED.items()),
+             "draftsmith.doctor.TESTED"),
+        fact("target", r("target.path"), "recipe.yaml: target.path"),
+        fact("target device / dtype", f"{r('target.device')} / {r('target.dtype')}" if recipe else None,
+             "recipe.yaml: target.device, target.dtype"),
+        fact("trust remote code", r("target.trust_remote_code"), "recipe.yaml: target.trust_remote_code"),
+        fact("aux layers", aux if aux else "default [1, N//2-1, N-4]" if recipe else None, "recipe.yaml: target.aux_layer_ids"),
+        fact("capture storage dtype", r("capture.storage_dtype"), "recipe.yaml: capture.storage_dtype"),
+        fact("train device / dtype", f"{r('train.device')} / {r('train.dtype')}" if r("train") else None,
+             "recipe.yaml: train.device, train.dtype"),
+        fact("draft vocab", r("vocab.draft_vocab_size"), "recipe.yaml: vocab.draft_vocab_size"),
+        fact("TTT steps", r("train.ttt_steps"), "recipe.yaml: train.ttt_steps"),
+        fact("train budget", f"max_steps {r('train.max_steps')}" if r("train.max_steps") else
+             (f"{r('train.epochs')} epochs" if r("train") else None), "recipe.yaml: train.max_steps, train.epochs"),
+        fact("max length", r("prepare.max_length"), "recipe.yaml: prepare.max_length"),
+        fact("evaluation", f"k={r('evaluate.draft_steps')} on {', '.join(map(str, r('evaluate.benchmarks') or []))}, "
+             f"max_new_tokens {r('evaluate.max_new_tokens')}" if r("evaluate") else None,
+             "recipe.yaml: evaluate.draft_steps, evaluate.benchmarks, evaluate.max_new_tokens"),
+        fact("export", f"{', '.join(r('export.formats') or [])} in {r('export.dtype')}" if r("export") else None,
+             "recipe.yaml: export.formats, export.dtype"),
+    ]
+    return [f for f in facts if f]
+
+
+def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
+    from .compat import mtp_layers
+    from .plan import _text_config, target_spec
+
+    path = _get(recipe, "target.path")
+    if not path:
+        return []
+    p = Path(path) if Path(path).is_absolute() or Path(path).exists() else run_dir / path
+    cfg_path = p / "config.json"
+    if not cfg_path.exists():
+        return [fact("target config", f"not found at {cfg_path}", "recipe.yaml: target.path")]
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        spec = target_spec(cfg)
+    except (ValueError, DraftsmithError) as e:
+        return [fact("target config", f"unreadable ({e})", str(cfg_path))]
+    c, src = _text_config(cfg), f"{cfg_path}"
+    return [
+        fact("architecture", ", ".join(cfg.get("architectures") or []) or c.get("model_type"), f"{src}: architectures"),
+        fact("decoder layers", spec.num_layers, f"{src}: num_hidden_layers"),
+        fact("hidden size", spec.hidden_size, f"{src}: hidden_size"),
+        fact("vocab", spec.vocab_size, f"{src}: vocab_size"),
+        fact("routed experts", f"{spec.num_experts} (top-{spec.experts_per_token}, {spec.moe_layers} MoE layers)"
+             if spec.num_experts else "none (dense)", f"{src}: n_routed_experts/num_experts, num_experts_per_tok"),
+        fact("MTP layers", mtp_layers(cfg), f"{src}: num_nextn_predict_layers (compat.mtp_layers)"),
+        fact("parameters", f"{spec.total_params() / 1e9:.3g}B, {spec.weight_bytes() / 1e9:.3g} GB of weights",
+             f"{src}: parameters via plan.target_spec"),
+    ]
+
+
+def _prediction_facts(run_dir: Path, ev: dict) -> list[Optional[dict]]:
+    """Planner prediction at batch 1 and the evaluated k, next to the measured speedup."""
+    from .plan import predict, speedup_at
+
+    metrics, k = ev.get("metrics", {}), ev.get("metrics", {}).get("draft_steps") or _get(ev, "config.draft_steps")
+    measured, accept = metrics.get("speedup"), metrics.get("accept_rate_per_position")
+    step_costs = ev.get("step_costs") or metrics.get("step_costs")
+    predicted, src = None, None
+    if step_costs and accept and k:
+        try:
+            res = predict(accept, step_costs, [1], [int(k)], tree_budgets=[])
+            predicted = speedup_at(res, 1, int(k))
+            src = f"{_mf('evaluate')}: step_costs + accept_rate_per_position (plan.predict)"
+        except DraftsmithError:
+            predicted = None
+    elif (run_dir / "plan.json").exists() and k:
+        try:
+            predicted = speedup_at(json.loads((run_dir / "plan.json").read_text()), 1, int(k))
+            src = f"plan.json: rows[batch 1, k={k}]"
+        except (ValueError, KeyError, TypeError):
+            predicted = None
+    if predicted is None:
+        return [fact("planner prediction", "none yet (no step_costs in the eval manifest, no plan.json); "
+                     "run `draftsmith plan --run_dir RUN_DIR`", "plan.json")] if measured is not None else []
+    err = f" ({(predicted - measured) / measured:+.1%} vs measured {measured:.3g}x)" if measured else ""
+    out = [fact(f"predicted speedup (batch 1, k={k})", f"{predicted:.3g}x{err}", src)]
+    batches = metrics.get("batches") or {}
+    if step_costs and accept and k and batches:  # measured speedup per batch size (eagle3_chain) vs predicted
+        sizes = sorted(int(b) for b, row in batches.items() if (row or {}).get("eagle3_chain"))
+        res = predict(accept, step_costs, sizes, [int(k)], tree_budgets=[])
+        pairs = [f"b={b}: {batches.get(str(b), batches.get(b))['eagle3_chain']:.3g}x measured, "
+                 f"{speedup_at(res, b, int(k)):.3g}x predicted" for b in sizes]
+        out.append(fact("speedup per batch size (chain)", "; ".join(pairs),
+                        f"{_mf('evaluate')}: metrics.batches, step_costs (plan.predict)"))
+    return out
+
+
+def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list[dict]:
+    """What the run found out: hardware, versions, target facts, throughput, acceptance, predictions."""
+    facts: list[Optional[dict]] = []
+    last = next((s for s in reversed(STAGES) if s in manifests), None)
+    if last:
+        m, src = manifests[last], _mf(last)
+        hw = m.get("hardware") or {}
+        facts.append(fact("hardware", f"{hw.get('host')}: " + (", ".join(hw["gpus"]) if hw.get("gpus")
+                                                               else f"CPU, {hw.get('cpu_count')} cores"), f"{src}: hardware"))
+        facts.append(fact("software", ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items()), f"{src}: versions"))
+    facts += _target_facts(recipe, run_dir)
+    figures = [
+        ("prepare", "conversations kept / read", lambda m: f"{m['counts'].get('kept')} / {m['counts'].get('read')}"
+         if m["counts"].get("read") is not None else None, "counts.kept, counts.read"),
+        ("prepare", "training tokens (loss tokens)",
+         lambda m: f"{m['counts'].get('tokens'):,} ({m['counts'].get('loss_tokens'):,})"
+         if m["counts"].get("tokens") is not None and m["counts"].get("loss_tokens") is not None else None,
+         "counts.tokens, counts.loss_tokens"),
+        ("capture", "aux layers captured", lambda m: m.get("aux_layer_ids"), "aux_layer_ids"),
+        ("capture", "capture bytes per token", lambda m: m.get("bytes_per_token"), "bytes_per_token"),
+        ("capture", "capture throughput (tokens/s)", lambda m: m["metrics"].get("capture_tokens_per_s"),
+         "metrics.capture_tokens_per_s"),
+        ("vocab", "draft vocab coverage", lambda m: m["metrics"].get("coverage"), "metrics.coverage"),
+        ("train", "training throughput (tokens/s)", lambda m: m["metrics"].get("tokens_per_s"), "metrics.tokens_per_s"),
+        ("train", "final loss", lambda m: m["metrics"].get("loss"), "metrics.loss"),
+        ("train", "train accuracy per TTT position", lambda m: m["metrics"].get("acc_per_position"), "metrics.acc_per_position"),
+        ("train", "simulated τ", lambda m: m["metrics"].get("tau_simulated"), "metrics.tau_simulated"),
+        ("evaluate", "τ (tokens per target verification)", lambda m: m["metrics"].get("tau"), "metrics.tau"),
+        ("evaluate", "acceptance per draft position", lambda m: m["metrics"].get("accept_rate_per_position"),
+         "metrics.accept_rate_per_position"),
+        ("evaluate", "tokens/s speculative vs plain", lambda m: f"{_fmt('', m['metrics']['tokens_per_s_spec'])} vs "
+         f"{_fmt('', m['metrics']['tokens_per_s_plain'])}" if m["metrics"].get("tokens_per_s_spec") is not None
+         and m["metrics"].get("tokens_per_s_plain") is not None else None,
+         "metrics.tokens_per_s_spec, metrics.tokens_per_s_plain"),
+        ("evaluate", "measured speedup", lambda m: m["metrics"].get("speedup"), "metrics.speedup"),
+    ]
+    for stage, label, get, key in figures:
+        if stage in manifests:
+            facts.append(fact(label, get(manifests[stage]), f"{_mf(stage)}: {key}"))
+    if "evaluate" in manifests:
+        ev = manifests["evaluate"]
+        for name, m in sorted(((ev.get("metrics") or {}).get("methods") or {}).items()):  # EAGLE-3 chain/tree vs n-gram
+            facts.append(fact(f"{name}: τ / speedup / tokens/s", f"{_fmt('', m.get('tau'))} / {_fmt('', m.get('speedup'))}x / "
+                              f"{_fmt('', m.get('tokens_per_s'))}", f"{_mf('evaluate')}: metrics.methods.{name}"))
+        for key, v in sorted((ev.get("metrics") or {}).items()):  # older manifests: ngram_* keys
+            if "ngram" in key:
+                facts.append(fact(f"n-gram {key.replace('ngram', '').strip('_').replace('_', ' ') or 'baseline'}", v,
+                                  f"{_mf('evaluate')}: metrics.{key}"))
+        facts += _prediction_facts(run_dir, ev)
+    probe = run_dir / "probe" / "results.json"
+    if probe.exists():
+        try:
+            pr = json.loads(probe.read_text(encoding="utf-8"))
+            facts.append(fact("aux layers by measurement",
+                              f"best {pr['best']['layers']} (probe accuracy {pr['best']['accuracy']:.3f}) "
+                              f"vs default {pr['default']['layers']} ({pr['default']['accuracy']:.3f})",
+                              "probe/results.json: best, default"))
+        except (ValueError, KeyError, TypeError):
+            pass
+    return [f for f in facts if f]
 
 
 def collect(run_dir: str | Path) -> dict:
@@ -161,10 +373,18 @@ def collect(run_dir: str | Path) -> dict:
         raise DraftsmithError(f"{run_dir}: no such run directory; give the run_dir of a recipe (runs/NAME)")
     recipe = _read_recipe(run_dir)
     events = Ledger(run_dir).read()
-    stages = [stage_state(run_dir, s, events) for s in STAGES]
+    # regenerate is optional: shown only when the run has used it
+    stages = [stage_state(run_dir, s, events) for s in STAGES if s != "regenerate" or stage_dir(run_dir, s).exists()]
+    for s in stages:
+        s["fix_hint"] = fix_hint(s["error"]) if s["state"] == "failed" else None
+    manifests = _manifests(run_dir)
     return {
-        "run_dir": str(run_dir), "name": recipe.get("name", run_dir.name), "goal": recipe.get("goal"),
-        "generated_at": time.time(), "stages": stages, "next_step": next_step(stages, run_dir, recipe),
+        "run_dir": str(run_dir), "name": recipe.get("name", run_dir.name),
+        "goal": recipe.get("goal"), "goal_source": "recipe.yaml: goal",
+        "generated_at": time.time(),
+        "instructions": instructions(recipe),
+        "discoveries": discoveries(run_dir, recipe, manifests),
+        "stages": stages, "next_step": next_step(stages, run_dir, recipe),
         "relevant_files": [f for f in RELEVANT_FILES if (run_dir / f).exists()],
     }
 
@@ -183,41 +403,82 @@ def _dur(s: Optional[float]) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def _section_goal(st: dict) -> Optional[str]:
-    return st["goal"]
+class Footnotes:
+    """Numbers each source file once; `mark("FILE: key")` gives the marker to put after a figure,
+    and the Sources section lists each file with the keys read from it."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir, self.files = run_dir, {}
+
+    def mark(self, source: Optional[str]) -> str:
+        if not source:
+            return ""
+        file, _, key = source.partition(": ")
+        keys = self.files.setdefault(file, [])
+        if key and key not in keys:
+            keys.append(key)
+        return f" [{list(self.files).index(file) + 1}]"
 
 
-def _section_stages(st: dict) -> str:
+def _facts(facts: list[dict], notes: Footnotes) -> Optional[str]:
+    return "\n".join(f"- {f['label']}: {_fmt(f['label'], f['value'])}{notes.mark(f['source'])}" for f in facts) or None
+
+
+def _section_goal(st: dict, notes: Footnotes) -> Optional[str]:
+    return st["goal"] and st["goal"] + notes.mark(st["goal_source"])
+
+
+def _section_instructions(st: dict, notes: Footnotes) -> Optional[str]:
+    return _facts(st["instructions"], notes)
+
+
+def _section_discoveries(st: dict, notes: Footnotes) -> Optional[str]:
+    return _facts(st["discoveries"], notes)
+
+
+def _section_stages(st: dict, notes: Footnotes) -> str:
     rows = ["| stage | state | started | took | figures |", "|---|---|---|---|---|"]
     for s in st["stages"]:
         figures = figures_text(s["figures"])
+        if figures:
+            figures += notes.mark(f"{s['dir']}/manifest.json")
         if s["error"]:
-            figures = (figures + " · " if figures else "") + f"error: {s['error']}"
+            figures = (figures + " · " if figures else "") + f"error: {s['error']}" + notes.mark(f"{LEDGER}: stage_failed")
         rows.append(f"| {s['stage']} | {ICONS[s['state']]} {s['state']} | {_when(s['started_at'])} | "
                     f"{_dur(s['seconds'])} | {figures.replace('|', '/')} |")
     return "\n".join(rows)
 
 
-def _section_files(st: dict) -> Optional[str]:
+def _section_files(st: dict, notes: Footnotes) -> Optional[str]:
     return "\n".join(f"- `{st['run_dir']}/{f}`" for f in st["relevant_files"]) or None
 
 
-def _section_next(st: dict) -> str:
+def _section_next(st: dict, notes: Footnotes) -> str:
     return st["next_step"]["text"]
 
 
-SECTIONS: list[tuple[str, Callable[[dict], Optional[str]]]] = [
+def _section_sources(st: dict, notes: Footnotes) -> Optional[str]:
+    """Where every figure above was read: paths relative to the run directory unless absolute."""
+    return "\n".join(f"[{i}] `{file}`" + (f": {', '.join(keys)}" if keys else "") + "  "
+                     for i, (file, keys) in enumerate(notes.files.items(), 1)).rstrip() or None
+
+
+SECTIONS: list[tuple[str, Callable[[dict, Footnotes], Optional[str]]]] = [
     ("Goal", _section_goal),
-    ("Stages", _section_stages),
+    ("Instructions", _section_instructions),
+    ("Discoveries", _section_discoveries),
+    ("Accomplished", _section_stages),
     ("Relevant files", _section_files),
-    ("Next step", _section_next),
+    ("Immediate next step", _section_next),
+    ("Sources", _section_sources),  # last: it lists the sources the sections above cited
 ]
 
 
 def to_markdown(st: dict) -> str:
     parts = [f"# Status: {st['name']}", f"_{st['run_dir']} · generated {_when(st['generated_at'])}_"]
+    notes = Footnotes(st["run_dir"])
     for title, fn in SECTIONS:
-        body = fn(st)
+        body = fn(st, notes)
         if body:
             parts += [f"## {title}", body]
     return "\n\n".join(parts) + "\n"

@@ -12,6 +12,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from .target.model import model_class
+
 # draftsmith's own chat template for its reference targets: role markers as special tokens,
 # every turn closed by <|end|> (the end-of-turn token, also the EOS of generation).
 CHAT_TEMPLATE = (
@@ -50,26 +52,49 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
     fast.save_pretrained(str(out_dir))
 
 
-def tiny_config(arch: str = "llama", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 4,
-                **overrides):
-    """A tiny transformers config of the given architecture."""
-    from transformers import LlamaConfig
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gpt_oss", "llava")
+"""Architectures tiny_config builds. llava wraps a text decoder (deepseek_v3 by default, as in
+Kimi-K2.5) under `model.language_model`, beside a tiny CLIP vision tower."""
 
-    if arch != "llama":
-        raise ValueError(f"unknown tiny architecture {arch!r}")
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-              num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 4,
+                text_arch: str = "deepseek_v3", **overrides):
+    """A tiny transformers config of the given architecture (see ARCHS)."""
+    import transformers as tf
+
+    H = hidden_size
+    common = dict(vocab_size=vocab_size, hidden_size=H, intermediate_size=H * 2, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    moe = dict(moe_intermediate_size=H // 2, num_experts_per_tok=2)
+    if arch == "llava":
+        # One extra id for the image placeholder, so no text token is ever taken for an image.
+        text = tiny_config(text_arch, vocab_size + 1, hidden_size, num_layers, **overrides)
+        vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=32, patch_size=16)
+        return tf.LlavaConfig(vision_config=vision, text_config=text, image_token_id=vocab_size)
+    if arch == "llama":
+        cls, kw = tf.LlamaConfig, dict(rope_theta=10000.0)
+    elif arch in ("qwen2", "qwen3"):
+        cls, kw = (tf.Qwen2Config if arch == "qwen2" else tf.Qwen3Config), {}
+    elif arch == "qwen3_moe":
+        cls, kw = tf.Qwen3MoeConfig, dict(moe, num_experts=4, decoder_sparse_step=1, norm_topk_prob=True)
+    elif arch == "deepseek_v3":  # MLA + MoE; layer 0 dense (first_k_dense_replace), the rest MoE
+        cls, kw = tf.DeepseekV3Config, dict(moe, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, n_group=1,
+                                            topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                                            qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16)
+    elif arch == "gpt_oss":  # MoE, attention sinks, alternating sliding-window layers
+        cls, kw = tf.GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    common.update(kw)
+    common.update(overrides)
+    return cls(**common)
 
 
 def make_model_dir(out_dir: str | Path, arch: str = "llama", seed: int = 0, tokenizer_texts: Optional[list[str]] = None,
                    vocab_size: int = 512, dtype: torch.dtype = torch.float32, **config_overrides) -> Path:
     """Write a random-weight model of `arch` with a trained tiny tokenizer into out_dir."""
-    from transformers import AutoModelForCausalLM
-
     out_dir = Path(out_dir)
     train_tokenizer(tokenizer_texts or _SENTENCES * 4, vocab_size, out_dir)
     from transformers import AutoTokenizer
@@ -77,7 +102,7 @@ def make_model_dir(out_dir: str | Path, arch: str = "llama", seed: int = 0, toke
     real_vocab = len(AutoTokenizer.from_pretrained(str(out_dir)))
     cfg = tiny_config(arch, vocab_size=max(real_vocab, 8), **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = model_class(cfg).from_config(cfg, dtype=dtype)
     # Random init with std 0.02 gives near-uniform logits; a larger embedding/head scale makes
     # greedy decoding of a random model less tie-prone, which keeps lossless tests meaningful.
     with torch.no_grad():

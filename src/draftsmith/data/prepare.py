@@ -39,9 +39,9 @@ def check_config(cfg: PrepareConfig) -> None:
     for key, value, low in (("samples_per_shard", cfg.samples_per_shard, 1), ("max_length", cfg.max_length, 2),
                             ("skip_samples", cfg.skip_samples, 0), ("min_loss_tokens", cfg.min_loss_tokens, 1)):
         if value < low:
-            raise DraftsmithError(f"prepare.{key} {value}: must be >= {low}")
+            raise DraftsmithError(f"prepare.{key} {value}: must be >= {low}; set it in the recipe")
     if cfg.max_samples is not None and cfg.max_samples < 0:
-        raise DraftsmithError(f"prepare.max_samples {cfg.max_samples}: must be >= 0 (or null for all)")
+        raise DraftsmithError(f"prepare.max_samples {cfg.max_samples}: must be >= 0 (or null for all); set it in the recipe")
 
 
 def _masked_counts(samples: list[Sample], vocab: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import gzip
 import importlib.util
 import json
 import os
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,14 @@ def _open(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
+def _checked(f, path: Path) -> Iterator[bytes]:
+    """Lines of an open (possibly gzipped) file; broken gzip data is a one-line error."""
+    try:
+        yield from f
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DraftsmithError(f"{path}: broken gzip data ({e}); re-download or re-compress the file") from None
+
+
 def resolve_source(source: str, fmt: str = "auto") -> tuple[Path, str]:
     """(file, format) of a builtin name or a path; `auto` decides from the name and first record."""
     if source in BUILTINS and not Path(source).exists():
@@ -109,7 +118,7 @@ def resolve_source(source: str, fmt: str = "auto") -> tuple[Path, str]:
         return path, "sharegpt"
     if name.endswith((".jsonl", ".jsonl.gz")):
         with _open(path) as f:
-            for raw in f:
+            for raw in _checked(f, path):
                 if raw.strip():
                     try:
                         rec = json.loads(raw)
@@ -148,6 +157,8 @@ def _iter_json_array(path: Path, stats: ReadStats, start: int) -> Iterator[tuple
             raise DraftsmithError(f"{path}: not a JSON array of conversations (ShareGPT: [{{\"id\", \"conversations\": "
                                   "[{\"from\", \"value\"}]}}, ...]); for one record per line name the file .jsonl")
         f.seek(0)
+        if f.read(3) != b"\xef\xbb\xbf":  # ijson rejects a UTF-8 byte-order mark
+            f.seek(0)
         index = 0
         try:
             for rec in ijson.items(f, "item"):
@@ -176,7 +187,7 @@ def _iter_json_array(path: Path, stats: ReadStats, start: int) -> Iterator[tuple
 def _iter_jsonl(path: Path, stats: ReadStats, start: int) -> Iterator[tuple[int, str, dict]]:
     index = 0
     with _open(path) as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(_checked(f, path), 1):
             if not raw.strip():
                 continue
             if index < start:

@@ -8,6 +8,10 @@ A shard holds n samples packed end to end:
 Capture shards add, row-aligned with input_ids:
     aux_hidden   [T, n_aux * H]     outputs of the aux layers, concatenated (storage dtype)
     final_hidden [T, H]             the target's last hidden state after its final norm
+fp8 capture shards (storage float8_e4m3) store both as float8_e4m3fn and add a float32 scale per
+token and aux layer; value = fp8 * scale. Read them with `decode_hidden` / `read_hidden_rows`:
+    aux_hidden_scale   float32 [T, n_aux]
+    final_hidden_scale float32 [T, 1]
 """
 from __future__ import annotations
 
@@ -18,6 +22,55 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..artifacts import DraftsmithError, atomic_save_safetensors
+
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "float8_e4m3": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+HIDDEN = ("aux_hidden", "final_hidden")
+
+
+def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, W] -> (fp8 values [T, W], float32 scales [T, groups]): each row is cut into `groups`
+    equal parts (one per aux layer, whose magnitudes differ), each scaled so its max is 448."""
+    T, W = x.shape
+    g = x.float().reshape(T, groups, W // groups)
+    scale = (g.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    values = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return values.reshape(T, W), scale
+
+
+def decode_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of encode_fp8, as float32."""
+    T, W = values.shape
+    G = scale.shape[-1]
+    return (values.float().reshape(T, G, W // G) * scale.float()[..., None]).reshape(T, W)
+
+
+def round_to_storage(x: torch.Tensor, storage_dtype: str, groups: int = 1) -> torch.Tensor:
+    """What a [T, W] hidden state looks like after a trip through a shard of this storage dtype:
+    what read_shard / decode_hidden give back (float8_e4m3 -> float32; others keep their dtype)."""
+    if storage_dtype == "float8_e4m3":
+        return decode_fp8(*encode_fp8(x, groups))
+    return x.to(STORAGE_DTYPES[storage_dtype])
+
+
+def decode_hidden(tensors, name: str) -> torch.Tensor:
+    """Hidden state `name` (aux_hidden / final_hidden) of a shard's tensors as stored, fp8 decoded:
+    float32 for fp8 shards (values * `name`_scale), the stored dtype otherwise. `tensors` is any
+    mapping of the shard's tensors (safetensors load_file, or rows sliced from it)."""
+    scale = tensors.get(name + "_scale") if hasattr(tensors, "get") else None
+    return tensors[name] if scale is None else decode_fp8(tensors[name], scale)
+
+
+def read_hidden_rows(handle, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of hidden state `name` from a `safetensors.safe_open` handle, fp8 decoded
+    (the row slice of decode_hidden, without reading the rest of the shard)."""
+    rows = {name: handle.get_slice(name)[start:stop]}
+    if name + "_scale" in handle.keys():
+        rows[name + "_scale"] = handle.get_slice(name + "_scale")[start:stop]
+    return decode_hidden(rows, name)
 
 
 @dataclass
@@ -36,7 +89,9 @@ def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
-def pack(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+def pack(samples: Sequence[Sample], storage_dtype: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Tensors of a shard. With storage_dtype float8_e4m3 the hidden states are fp8-encoded
+    (one scale per token and aux layer); other storage dtypes are applied by the caller."""
     lengths = torch.tensor([len(s) for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = lengths.cumsum(0)
@@ -49,12 +104,17 @@ def pack(samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
     if samples and samples[0].aux_hidden is not None:
         out["aux_hidden"] = torch.cat([s.aux_hidden for s in samples])
         out["final_hidden"] = torch.cat([s.final_hidden for s in samples])
+        if storage_dtype == "float8_e4m3":
+            groups = out["aux_hidden"].shape[1] // out["final_hidden"].shape[1]
+            out["aux_hidden"], out["aux_hidden_scale"] = encode_fp8(out["aux_hidden"], groups)
+            out["final_hidden"], out["final_hidden_scale"] = encode_fp8(out["final_hidden"], 1)
     return out
 
 
-def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[dict[str, str]] = None) -> dict:
+def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[dict[str, str]] = None,
+                storage_dtype: Optional[str] = None) -> dict:
     """Write a shard atomically. Returns its manifest entry (file, sha256, counts)."""
-    tensors = pack(samples)
+    tensors = pack(samples, storage_dtype)
     sha = atomic_save_safetensors(path, tensors, metadata)
     return {"file": Path(path).name, "sha256": sha, "num_samples": len(samples),
             "num_tokens": int(tensors["input_ids"].shape[0]),
@@ -62,6 +122,7 @@ def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[
 
 
 def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
+    """Samples of a shard; hidden states as stored, fp8 ones decoded to float32."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -74,6 +135,8 @@ def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
         raise DraftsmithError(f"{path}: shard lacks {sorted(need - set(t))}; it was not written by draftsmith, rerun its stage")
     off = t["offsets"].tolist()
     hidden = with_hidden and "aux_hidden" in t
+    if hidden:
+        t["aux_hidden"], t["final_hidden"] = decode_hidden(t, "aux_hidden"), decode_hidden(t, "final_hidden")
     out = []
     for j in range(len(off) - 1):
         a, b = off[j], off[j + 1]

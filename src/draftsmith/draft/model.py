@@ -103,7 +103,9 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, q.dtype)
+        from .rope import rope_cos_sin as scaled_rope_cos_sin  # honours cfg.rope_scaling
+
+        cos, sin = scaled_rope_cos_sin(position_ids, c, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
@@ -217,31 +219,23 @@ class Eagle3Drafter(nn.Module):
     # -- training: the same layer unrolled for TTT ----------------------------------------
 
     def ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                 ttt_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                 ttt_cache: list[tuple[torch.Tensor, torch.Tensor]], attention: str = "auto") -> torch.Tensor:
         """Training-time-test step i = len(ttt_cache) over full rows [B, L].
 
         Row t attends to step-0 keys at rows <= t (causal) and to its own row's keys from
-        steps 1..i. Appends this step's (k, v) to ttt_cache. Reference implementation: it
-        builds the [L, L] step-0 scores plus i diagonal scores per row."""
+        steps 1..i. Appends this step's (k, v) to ttt_cache. `attention` picks the kernel
+        (draft.ttt_attention: auto = flex on CUDA, a memory-lean chunked kernel elsewhere;
+        reference = the naive [L, L + i] scores)."""
+        from .ttt_attention import ttt_attention
+
         layer = self.midlayer
         attn = layer.self_attn
-        c = self.cfg
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x = layer.attn_input(emb, hidden)
         q, k, v = attn.qkv(x, position_ids)
         ttt_cache.append((k, v))
-        n_rep = c.num_attention_heads // c.num_key_value_heads
-        k0, v0 = (repeat_kv(t, n_rep) for t in ttt_cache[0])
-        scale = 1.0 / math.sqrt(c.head_dim)
-        L = q.shape[2]
-        s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, L, L]
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        s0 = s0.masked_fill(~causal, float("-inf"))
-        diag = [((q * repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale) for kj, _ in ttt_cache[1:]]
-        s = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)
-        o = s[..., :L] @ v0
-        for j, (_, vj) in enumerate(ttt_cache[1:]):
-            o = o + s[..., L + j:L + j + 1] * repeat_kv(vj, n_rep)
+        o = ttt_attention(q, [kv[0] for kv in ttt_cache], [kv[1] for kv in ttt_cache],
+                          1.0 / math.sqrt(self.cfg.head_dim), attention)
         return layer.finish(hidden, attn.out(o))
 
 
@@ -255,7 +249,10 @@ def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
     folder = Path(folder)
     cfg = Eagle3Config.load(folder / "config.json")
     model = Eagle3Drafter(cfg)
-    state = load_file(str(folder / "model.safetensors"))
+    try:
+        state = load_file(str(folder / "model.safetensors"))
+    except Exception as e:  # SafetensorError (not safetensors), OSError (missing)
+        raise DraftsmithError(f"{folder / 'model.safetensors'}: unreadable ({str(e).splitlines()[0][:200]}); retrain or re-export it") from None
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))

@@ -1,7 +1,9 @@
 """The export stage: the trained drafter (train/drafter/) -> serving-engine folders under export/.
 
 One converter per format, each with an explicit key map and its runtime's own layer-id
-convention (DESIGN.md §4). Formats are checked before anything is written.
+convention (DESIGN.md §4, export/conventions.py): sglang.py (SGLang-native
+LlamaForCausalLMEagle3), vllm.py (the speculators format vLLM loads). Formats are checked
+before anything is written. importer.py reads either format back (`draftsmith import-drafter`).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 from ..artifacts import DraftsmithError, finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
 from ..config import Recipe
 
-FORMATS = ("sglang",)  # vllm (speculators format) comes next
+FORMATS = ("sglang", "vllm")
 
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
@@ -32,8 +34,13 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         if fmt == "sglang":
             from .sglang import export_sglang
 
-            files = export_sglang(drafter_dir, recipe.target.path, out_dir / "sglang", cfg.dtype,
+            files = export_sglang(drafter_dir, recipe.target.path, out_dir / "sglang", cfg.dtype, cfg.with_embeddings,
                                   trust_remote_code=recipe.target.trust_remote_code)
+        else:
+            from .vllm import export_vllm
+
+            files = export_vllm(drafter_dir, recipe.target.path, out_dir / "vllm", cfg.dtype, cfg.verifier,
+                                cfg.num_speculative_tokens, cfg.with_embeddings, recipe.target.trust_remote_code)
         manifest["formats"][fmt] = {"dir": fmt, "files": files}
         log(f"[export] {fmt}: {out_dir / fmt} ({sum(f['bytes'] for f in files) / 2**20:.1f} MiB, {cfg.dtype})")
     manifest["counts"] = {"formats": len(cfg.formats)}

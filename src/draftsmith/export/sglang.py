@@ -15,7 +15,8 @@ layer i+1 = the OUTPUT of layer i. So the list SGLang reads equals our internal 
 0-indexed layer i). Its default with no list, [2, N//2, N-3], is in the input convention and
 gets no +1. sgl-project/sglang PR #25454 (merged 2026-05) keeps the +1 only when the first id
 is 1 and otherwise reads the list as layer inputs; a list whose first id is not 1 thus means
-different layers to older and newer SGLang, and is refused below.
+different layers to older and newer SGLang, and is refused (export/conventions.py).
+`load_sglang` / export/importer.py read such a folder back.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, read_json, sha256_file
+from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, sha256_file
 from ..draft.model import Eagle3Config, Eagle3Drafter, load_drafter
+from .conventions import to_sglang
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MIDLAYER_NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
@@ -56,16 +58,6 @@ def required_shapes(cfg: Eagle3Config, with_embeddings: bool = False) -> dict[st
     return shapes
 
 
-def sglang_layer_ids(internal_ids: list[int], where: str) -> list[int]:
-    """The list to write for SGLang (see the module docstring): our ids, when they start at 1."""
-    ids = [int(i) for i in internal_ids]
-    if not ids or ids[0] != 1:
-        raise DraftsmithError(f"{where}: aux_layer_ids {ids} do not start with layer 1; SGLang reads such a list as "
-                              "layer outputs before PR #25454 and as layer inputs after it, so the export would be wrong "
-                              "on one of them; train with target.aux_layer_ids starting at 1 (the default)")
-    return ids
-
-
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
     """d2t offsets must land inside the target vocab, on distinct tokens, all marked in t2d."""
     target_ids = torch.arange(d2t.numel()) + d2t.long()
@@ -78,7 +70,7 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
         raise DraftsmithError(f"{where}: t2d does not mark exactly the d2t targets; rerun `draftsmith vocab` and retrain")
 
 
-def _target_text_config(target_path: Path, trust_remote_code: bool):
+def target_text_config(target_path: Path, trust_remote_code: bool):
     from transformers import AutoConfig
 
     from ..target.model import text_config
@@ -90,9 +82,9 @@ def _target_text_config(target_path: Path, trust_remote_code: bool):
                               "set target.path to the model the drafter was trained for") from None
 
 
-def sglang_config(cfg: Eagle3Config, target_cfg, dtype: str, where: str) -> dict:
-    """config.json for SGLang. Shapes are the drafter's; rope and max positions are the target's
-    and must equal what the drafter was trained with."""
+def check_target(cfg: Eagle3Config, target_cfg, where: str) -> tuple[float, Optional[dict], int]:
+    """(rope_theta, rope_scaling, max_position_embeddings) of the target, after checking that
+    the drafter was trained for it (vocab, widths, rope, layer count)."""
     from ..draft.build import rope_settings
 
     theta, scaling = rope_settings(target_cfg)
@@ -106,8 +98,13 @@ def sglang_config(cfg: Eagle3Config, target_cfg, dtype: str, where: str) -> dict
     if bad:
         raise DraftsmithError(f"{where}: drafter was not trained for this target ({'; '.join(bad)}); "
                               "set target.path to the model it was trained for")
+    return theta, scaling, max_pos
+
+
+def llama_layer_config(cfg: Eagle3Config, theta: float, scaling: Optional[dict], max_pos: int, dtype: str) -> dict:
+    """The Llama decoder-layer fields both runtimes read (rope in the legacy keys, which
+    transformers 4 and 5 both accept)."""
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -121,14 +118,25 @@ def sglang_config(cfg: Eagle3Config, target_cfg, dtype: str, where: str) -> dict
         "rope_scaling": scaling,
         "max_position_embeddings": max_pos,
         "vocab_size": cfg.vocab_size,
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.target_hidden_size,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype,
+    }
+
+
+def sglang_config(cfg: Eagle3Config, target_cfg, dtype: str, where: str) -> dict:
+    """config.json for SGLang. Shapes are the drafter's; rope and max positions are the target's
+    and must equal what the drafter was trained with."""
+    theta, scaling, max_pos = check_target(cfg, target_cfg, where)
+    layer = llama_layer_config(cfg, theta, scaling, max_pos, dtype)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layer_ids, where),
+            "eagle_aux_hidden_state_layer_ids": to_sglang(cfg.aux_layer_ids, where),
             "use_aux_hidden_state": True,
             "use_input_layernorm_in_first_layer": True,
             "use_last_layernorm": True,
@@ -166,10 +174,15 @@ def export_sglang(drafter_dir: str | Path, target_path: str | Path, out_dir: str
         raise DraftsmithError(f"export.dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     where = str(drafter_dir / "config.json")
     drafter = load_drafter(drafter_dir)
-    config = sglang_config(drafter.cfg, _target_text_config(Path(target_path), trust_remote_code), dtype, where)
-    state = sglang_state(drafter, dtype, with_embeddings, where)
+    config = sglang_config(drafter.cfg, target_text_config(Path(target_path), trust_remote_code), dtype, where)
+    return write_folder(out_dir, sglang_state(drafter, dtype, with_embeddings, where), config)
 
-    # Build the folder beside its final place, then swap it in: a reader never sees half of it.
+
+def write_folder(out_dir: Path, state: dict[str, torch.Tensor], config: dict) -> list[dict]:
+    """model.safetensors + config.json into out_dir, replaced as a whole: the folder is built
+    beside its final place and swapped in, so a reader never sees half of it."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -184,27 +197,14 @@ def export_sglang(drafter_dir: str | Path, target_path: str | Path, out_dir: str
             for p in sorted(out_dir.iterdir()) if p.is_file()]
 
 
-def load_sglang(folder: str | Path, embed_tokens: Optional[torch.Tensor] = None) -> Eagle3Drafter:
+def load_sglang(folder: str | Path, embed_tokens: Optional[torch.Tensor] = None,
+                num_layers: Optional[int] = None) -> Eagle3Drafter:
     """Read a SGLang EAGLE-3 folder back into an Eagle3Drafter (float32, CPU). `embed_tokens`
-    (the target's input embedding) is needed when the folder has none."""
-    from safetensors.torch import load_file
+    (the target's input embedding) is needed when the folder has none, `num_layers` (the
+    target's) when its config lists no aux layers."""
+    from .importer import build_drafter, read_checkpoint
 
-    folder = Path(folder)
-    c = read_json(folder / "config.json")
-    ids = c.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or []
-    cfg = Eagle3Config(hidden_size=c["hidden_size"], target_hidden_size=c.get("target_hidden_size", c["hidden_size"]),
-                       num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
-                       head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                       intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-                       draft_vocab_size=c.get("draft_vocab_size", c["vocab_size"]), num_aux_layers=len(ids) or 3,
-                       rms_norm_eps=c["rms_norm_eps"], rope_theta=c.get("rope_theta", 10000.0),
-                       rope_scaling=c.get("rope_scaling"), max_position_embeddings=c["max_position_embeddings"],
-                       aux_layer_ids=list(ids))
-    state = load_file(str(folder / "model.safetensors"))
-    if "embed_tokens.weight" not in state:
-        if embed_tokens is None:
-            raise DraftsmithError(f"{folder / 'model.safetensors'}: has no embed_tokens.weight; pass the target's input embedding")
-        state["embed_tokens.weight"] = embed_tokens.detach().cpu()
-    model = Eagle3Drafter(cfg)
-    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
-    return model.eval()
+    fmt, cfg, state = read_checkpoint(folder, num_layers)
+    if fmt != "sglang":
+        raise DraftsmithError(f"{Path(folder) / 'config.json'}: a {fmt} checkpoint, not SGLang's; use export.importer.import_drafter")
+    return build_drafter(cfg, state, embed_tokens, str(Path(folder) / "model.safetensors"))

@@ -1,28 +1,40 @@
 """Capture stage: run the target over the prepared samples and store its aux hidden states.
 
 One capture shard per data shard (same name), so resume is per shard and a rerun after a
-kill writes byte-identical files. Within a shard, samples are sorted by length and batched
+kill -9 writes byte-identical files. Within a shard, samples are sorted by length and batched
 up to `capture.batch_tokens` (padded tokens included), then written back in source order.
+
+Data parallel under torchrun: rank r captures the data shards i with i % world == r, lists
+each shard it finished in `capture/.rank-RRRRR.json` (its resume state), and rank 0 merges
+every rank's list into the one manifest, in data-shard order. Counts are sums over the
+shard entries, so the manifest does not depend on the number of ranks.
+Reads `regen/` instead of `data/` when regenerate is enabled.
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, finish_manifest, load_manifest, log, new_manifest, require_complete,
-                         verify_shards, write_manifest)
+from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
+                         require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe
-from ..data.shards import Sample, read_shard, write_shard
-from .model import DTYPES, Target, load_target
+from ..data.shards import STORAGE_DTYPES, Sample, read_shard, write_shard
+from .model import Target, load_target
 
 
-def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: torch.dtype) -> int:
-    """Disk bytes per captured token: aux + final hidden states, ids (4) and mask (1)."""
-    return (num_aux + 1) * hidden_size * torch.empty(0, dtype=storage_dtype).element_size() + 5
+def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
+    """Disk bytes per captured token: aux + final hidden states (+ fp8 scales), ids (4) and mask (1)."""
+    size = torch.empty(0, dtype=STORAGE_DTYPES[storage_dtype]).element_size()
+    scales = (num_aux + 1) * 4 if storage_dtype == "float8_e4m3" else 0
+    return (num_aux + 1) * hidden_size * size + scales + 5
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -42,22 +54,23 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
-                    storage_dtype: torch.dtype) -> tuple[list[Sample], int]:
-    """Fill aux_hidden / final_hidden of each sample. Returns (good samples, rejected count):
-    a sample whose hidden states hold NaN or inf is rejected, not stored."""
+                    storage_dtype: str = "float32") -> tuple[list[Sample], int]:
+    """Fill aux_hidden / final_hidden of each sample, rounded to the storage dtype (fp8 storage:
+    kept in float32 here, encoded by write_shard). Returns (good samples in input order,
+    rejected count): a sample whose hidden states hold NaN or inf is rejected, not stored."""
+    hold = torch.float32 if storage_dtype == "float8_e4m3" else STORAGE_DTYPES[storage_dtype]
     dev = target.device
-    pad_id = 0
     out: list[Sample | None] = [None] * len(samples)
     for batch in length_batches([len(s) for s in samples], batch_tokens):
         L = max(len(samples[i]) for i in batch)
-        ids = torch.full((len(batch), L), pad_id, dtype=torch.long)
+        ids = torch.zeros((len(batch), L), dtype=torch.long)  # right padding with id 0, masked out
         mask = torch.zeros((len(batch), L), dtype=torch.long)
         for r, i in enumerate(batch):
             n = len(samples[i])
             ids[r, :n] = samples[i].input_ids
             mask[r, :n] = 1
         res = target.forward(ids.to(dev), attention_mask=mask.to(dev), with_logits=False)
-        aux, final = res.aux_hidden.to(storage_dtype).cpu(), res.final_hidden.to(storage_dtype).cpu()
+        aux, final = res.aux_hidden.to(hold).cpu(), res.final_hidden.to(hold).cpu()
         for r, i in enumerate(batch):
             n = len(samples[i])
             s = samples[i]
@@ -66,57 +79,165 @@ def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
     return good, len(samples) - len(good)
 
 
+# ----------------------------------------------------------------------------- ranks
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def from_rank0(self, obj: Any) -> Any:
+        """rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_ranks(device: str) -> Ranks:
+    """Rank and world size from torchrun's environment; joins the process group when world > 1
+    (nccl on GPUs, gloo on CPU). World size 1 needs no torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    r = Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1 and not torch.distributed.is_initialized():
+        gpu = torch.cuda.is_available() and device != "cpu"
+        if gpu:
+            torch.cuda.set_device(r.local_rank)
+        torch.distributed.init_process_group("nccl" if gpu else "gloo")
+    return r
+
+
+def _rank_file(out_dir: Path, rank: int) -> Path:
+    return out_dir / f".rank-{rank:05d}.json"
+
+
+def _listed(out_dir: Path, m: dict, fp: str) -> dict[str, dict]:
+    """Shard entries finished so far: the manifest's and those in every rank's file of this fingerprint."""
+    entries = {s["file"]: s for s in m["shards"]}
+    for p in sorted(out_dir.glob(".rank-*.json")):
+        try:
+            part = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # written atomically, so only a foreign file lands here
+        if part.get("fingerprint") == fp:
+            entries.update({s["file"]: s for s in part["shards"]})
+    return entries
+
+
+def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
+    m["shards"] = [entries[n] for n in order if n in entries]
+    m["counts"] = {"samples": sum(s["num_samples"] for s in m["shards"]),
+                   "tokens": sum(s["num_tokens"] for s in m["shards"]),
+                   "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
+
+
+def input_dir(recipe: Recipe, run_dir: Path) -> tuple[Path, str]:
+    """The token shards capture reads: regen/ when regenerate is enabled, else data/."""
+    regen = getattr(recipe, "regenerate", None)
+    if regen is not None and regen.enabled:
+        return stage_dir(run_dir, "regenerate"), "regenerate"
+    return stage_dir(run_dir, "prepare"), "prepare"
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
-    data_dir, out_dir = run_dir / "data", run_dir / "capture"
-    data_m = require_complete(data_dir, "prepare")
-    data_shards = verify_shards(data_dir, data_m)
     cfg = recipe.capture
-    storage = DTYPES[cfg.storage_dtype]
+    ranks = init_ranks(recipe.target.device)
+    data_dir, upstream = input_dir(recipe, run_dir)
+    out_dir = stage_dir(run_dir, "capture")
+    data_m = require_complete(data_dir, upstream)
+    data_shards = verify_shards(data_dir, data_m, check_hash=ranks.rank == 0)
+    names = [p.name for p in data_shards]
 
-    m = load_manifest(out_dir)
-    if m is None or m["status"] != "running" or m["fingerprint"] != fp:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        out_dir.mkdir(parents=True)
-        m = new_manifest("capture", fp, cfg, {"prepare": data_m["fingerprint"]})
-    done = {s["file"] for s in m["shards"]}
-
+    device = recipe.target.device
+    if ranks.world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{ranks.local_rank}"
     t_load = time.time()
-    target = load_target(recipe.target.path, recipe.target.device, recipe.target.dtype,
-                         recipe.target.trust_remote_code, recipe.target.aux_layer_ids, with_tokenizer=False)
-    m["timings"]["load_target_s"] = round(time.time() - t_load, 3)
-    bpt = bytes_per_token(len(target.aux_layer_ids), target.hidden_size, storage)
-    m.update(aux_layer_ids=target.aux_layer_ids, num_layers=target.num_layers, hidden_size=target.hidden_size,
-             target_vocab_size=target.vocab_size, storage_dtype=cfg.storage_dtype, bytes_per_token=bpt,
-             target_architecture=type(target.model).__name__)
+    target = load_target(recipe.target.path, device, recipe.target.dtype, recipe.target.trust_remote_code,
+                         recipe.target.aux_layer_ids, with_tokenizer=False,
+                         device_map=getattr(recipe.target, "device_map", None))
+    load_s = round(time.time() - t_load, 3)
+    bpt = bytes_per_token(len(target.aux_layer_ids), target.hidden_size, cfg.storage_dtype)
 
-    todo_tokens = sum(s["num_tokens"] for s in data_m["shards"] if s["file"] not in done)
-    need = todo_tokens * bpt
-    free = shutil.disk_usage(out_dir).free
-    log(f"[capture] {todo_tokens:,} tokens x {bpt:,} bytes/token = {need / 2**30:.2f} GiB to write; {free / 2**30:.1f} GiB free")
-    if need > free * 0.95:
-        raise DraftsmithError(f"{out_dir}: capture needs {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free; "
-                              "free disk, use capture.storage_dtype with fewer bytes, or capture fewer samples")
-    write_manifest(out_dir, m)
+    error = None
+    if ranks.rank == 0:  # rank 0 alone sets up the folder; the others wait for its verdict
+        m = load_manifest(out_dir)
+        if m is None or m["status"] != "running" or m["fingerprint"] != fp:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            out_dir.mkdir(parents=True)
+            m = new_manifest("capture", fp, cfg, {upstream: data_m["fingerprint"]})
+        for stale in out_dir.glob(".*.tmp-*"):  # half-written files of a killed run
+            stale.unlink(missing_ok=True)
+        m["timings"]["load_target_s"] = load_s
+        m.update(aux_layer_ids=target.aux_layer_ids, num_layers=target.num_layers, hidden_size=target.hidden_size,
+                 target_vocab_size=target.vocab_size, storage_dtype=cfg.storage_dtype, bytes_per_token=bpt,
+                 target_architecture=type(target.model).__name__, world_size=ranks.world, source=upstream)
+        entries = _listed(out_dir, m, fp)
+        todo_tokens = sum(s["num_tokens"] for s in data_m["shards"] if s["file"] not in entries)
+        need, free = todo_tokens * bpt, shutil.disk_usage(out_dir).free
+        log(f"[capture] {todo_tokens:,} tokens x {bpt:,} bytes/token = {need / 2**30:.2f} GiB to write; "
+            f"{free / 2**30:.1f} GiB free; {ranks.world} rank(s)")
+        if need > free * 0.95:
+            error = (f"{out_dir}: capture needs {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free; free disk, "
+                     "use capture.storage_dtype float8_e4m3 (about half of bfloat16), or capture fewer samples")
+        else:
+            _merge(m, entries, names)
+            write_manifest(out_dir, m)
+    error = ranks.from_rank0(error)
+    if error:
+        raise DraftsmithError(error)
+    m = load_manifest(out_dir)
+    entries = _listed(out_dir, m, fp)
+    mine = [p for i, p in enumerate(data_shards) if i % ranks.world == ranks.rank]
+    done_mine = [entries[p.name] for p in mine if p.name in entries]
 
-    counts = m["counts"]
     t0, fwd_tokens = time.time(), 0
-    for path in tqdm(data_shards, desc="capture", unit="shard", disable=None):
-        if path.name in done:
+    for path in tqdm(mine, desc=f"capture[{ranks.rank}]" if ranks.world > 1 else "capture", unit="shard", disable=None):
+        if path.name in entries:
             continue
         samples = read_shard(path, with_hidden=False)
-        good, rejected = capture_samples(target, samples, cfg.batch_tokens, storage)
-        entry = write_shard(out_dir / path.name, good, metadata={"stage": "capture", "source": path.name})
+        top = max((int(s.input_ids.max()) for s in samples if len(s)), default=-1)
+        if top >= target.vocab_size:
+            raise DraftsmithError(f"{path}: token id {top} >= the target's vocab_size {target.vocab_size}; the tokenizer in "
+                                  f"{recipe.target.path} does not belong to its model, fix the folder and rerun `draftsmith prepare --force`")
+        good, rejected = capture_samples(target, samples, cfg.batch_tokens, cfg.storage_dtype)
+        # One metadata key only: safetensors writes metadata in hash order, which changes from
+        # process to process, so two keys would break byte-identical reruns.
+        entry = write_shard(out_dir / path.name, good, metadata={"stage": "capture"}, storage_dtype=cfg.storage_dtype)
+        entry["rejected_nonfinite"] = rejected
         fwd_tokens += sum(len(s) for s in samples)
-        m["shards"].append(entry)
-        counts["samples"] = counts.get("samples", 0) + len(good)
-        counts["tokens"] = counts.get("tokens", 0) + entry["num_tokens"]
-        counts["rejected_nonfinite"] = counts.get("rejected_nonfinite", 0) + rejected
-        write_manifest(out_dir, m)
+        done_mine.append(entry)
+        atomic_write_json(_rank_file(out_dir, ranks.rank), {"fingerprint": fp, "shards": done_mine})
+        if ranks.rank == 0 and ranks.world == 1:  # progress in the manifest, for `status`
+            _merge(m, {**entries, **{e["file"]: e for e in done_mine}}, names)
+            write_manifest(out_dir, m)
     dt = time.time() - t0
-    if fwd_tokens:
-        m["metrics"]["capture_tokens_per_s"] = round(fwd_tokens / max(dt, 1e-9), 1)
-    if counts.get("rejected_nonfinite"):
-        log(f"[capture] rejected {counts['rejected_nonfinite']} samples with NaN/inf hidden states")
-    m["timings"]["capture_s"] = round(m["timings"].get("capture_s", 0) + dt, 3)
-    log(f"[capture] {counts.get('samples', 0)} samples, {counts.get('tokens', 0):,} tokens, {bpt:,} bytes/token")
-    return finish_manifest(out_dir, m)
+    ranks.barrier()  # every rank's shards are written before rank 0 merges
+
+    if ranks.rank == 0:
+        _merge(m, _listed(out_dir, m, fp), names)
+        missing = [n for n in names if n not in {s["file"] for s in m["shards"]}]
+        if missing:
+            raise DraftsmithError(f"{out_dir}: shards {missing[:3]} were not captured by any rank; rerun `draftsmith capture`")
+        if fwd_tokens:
+            # rank 0's rate x ranks: the ranks share the shards evenly
+            m["metrics"]["capture_tokens_per_s"] = round(fwd_tokens / max(dt, 1e-9) * ranks.world, 1)
+        m["timings"]["capture_s"] = round(m["timings"].get("capture_s", 0) + dt, 3)
+        counts = m["counts"]
+        if counts["rejected_nonfinite"]:
+            log(f"[capture] rejected {counts['rejected_nonfinite']} samples with NaN/inf hidden states")
+        if counts["samples"] == 0:
+            raise DraftsmithError(f"{out_dir}: the target gave NaN/inf hidden states for every sample ({counts['rejected_nonfinite']} "
+                                  "rejected); check target.dtype (float16 overflows: use bfloat16 or float32) and the target's weights")
+        log(f"[capture] {counts['samples']} samples, {counts['tokens']:,} tokens, {bpt:,} bytes/token ({cfg.storage_dtype})")
+        m = finish_manifest(out_dir, m)
+        for p in out_dir.glob(".rank-*.json"):
+            p.unlink()
+    ranks.barrier()
+    return load_manifest(out_dir)

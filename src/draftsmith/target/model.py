@@ -8,6 +8,7 @@ models (`model.language_model.layers`).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -107,7 +108,8 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the input embedding's device (the first GPU under a device_map)."""
+        return self.model.get_input_embeddings().weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,7 +130,8 @@ class Target:
         else:
             out = self.decoder(**kw, return_dict=True)
             logits, final = None, out.last_hidden_state
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)
+        # Under a device_map the aux layers may sit on different GPUs.
+        aux = torch.cat([self._captured[i].to(final.device) for i in self.aux_layer_ids], dim=-1)
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final,
                             past_key_values=getattr(out, "past_key_values", None))
 
@@ -145,25 +148,50 @@ class Target:
         return head.weight if head is not None else self.input_embeddings()
 
 
+def model_class(config: Any):
+    """The Auto class that builds this config with an LM head: AutoModelForCausalLM, or for
+    wrappers it does not map (Llava, Qwen2-VL, Mistral3: decoder under `language_model`)
+    AutoModelForImageTextToText."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or getattr(config, "auto_map", None):
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
+
 def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
-                aux_layer_ids: Optional[list[int]] = None, with_tokenizer: bool = True) -> Target:
-    """Load a local Hugging Face causal LM as a Target (eval mode, no grad)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+                aux_layer_ids: Optional[list[int]] = None, with_tokenizer: bool = True,
+                device_map: Optional[str | dict] = None) -> Target:
+    """Load a local Hugging Face causal LM as a Target (eval mode, no grad).
+
+    device_map (e.g. "auto", "balanced", a {module: device} dict) spreads a large target over
+    the visible GPUs through accelerate; inputs then go to the embedding's device."""
+    from transformers import AutoConfig
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise DraftsmithError(f"{path / 'config.json'}: not found; target.path must be a local Hugging Face model folder")
+    if not any(path.glob("*.safetensors")):
+        raise DraftsmithError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are never loaded); "
+                              "convert the checkpoint to safetensors")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dt,
-                                                     trust_remote_code=trust_remote_code)
+        if device_map and importlib.util.find_spec("accelerate") is None:
+            raise DraftsmithError(f"target.device_map {device_map!r}: needs the accelerate package; pip install accelerate "
+                                  "(or unset target.device_map to load the target on one device)")
+        extra = {"device_map": device_map} if device_map else {}
+        model = model_class(config).from_pretrained(str(path), config=config, dtype=dt,
+                                                    trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
     except ValueError as e:
         hint = "set target.trust_remote_code: true if you trust this folder's code" if "trust_remote_code" in str(e) \
             else "check that the folder holds a causal LM that transformers supports"
         raise DraftsmithError(f"{path}: cannot load the model ({str(e).splitlines()[0][:200]}); {hint}") from None
-    model.to(dev).eval()
+    if not device_map:
+        model.to(dev)
+    model.eval()
     model.requires_grad_(False)
     tok = load_tokenizer(path, trust_remote_code) if with_tokenizer else None
     t = Target(model, tok, aux_layer_ids)

@@ -1,29 +1,41 @@
-"""Training checkpoints that describe themselves and resume exactly.
+"""Training checkpoints that describe themselves and resume exactly, at any world size.
 
-    train/step-NNNNNN/model.safetensors   trainable drafter parameters (float32), by name
-    train/step-NNNNNN/optim.safetensors   AdamW state flattened: `<param>.exp_avg`, `<param>.exp_avg_sq`, `<param>.step`
-    train/step-NNNNNN/meta.json           step, data cursor (epoch, position in that epoch's plan),
-                                          RNG states, counters, fingerprint, drafter + recipe config
-    train/latest                          the name of the newest complete step folder
+    train/step-NNNNNN/state/*.safetensors  torch.distributed.checkpoint (DCP) in Hugging Face
+                                           safetensors storage: every rank writes its own shards;
+                                           keys `model.<param>` (float32 master weights) and
+                                           `optim.<param>.{exp_avg,exp_avg_sq,step}`; each file's
+                                           header records its shards' offsets (DCP_SHARDING_INFO)
+    train/step-NNNNNN/meta.json            step, data cursor (epoch, position in that epoch's plan),
+                                           RNG state, counters, world size at save, fingerprint,
+                                           drafter + recipe config
+    train/latest                           the name of the newest complete step folder
 
-A step folder is written under a temporary name and renamed into place, then `latest` is
-replaced atomically; the last KEEP folders are kept. Only safetensors and JSON are read back.
+DCP's default FileSystemWriter keeps its metadata in a pickled `.metadata` file; the
+HuggingFaceStorageWriter/Reader pair keeps it in the safetensors headers (JSON), so nothing
+is ever unpickled. Loading reads any saved sharding into the current one (DCP resharding):
+a run saved on 8 ranks resumes on 1 or 2.
+A step folder is written under a temporary name and renamed into place by rank 0 after every
+rank has finished, then `latest` is replaced atomically; the last KEEP folders are kept.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..artifacts import DraftsmithError, _fsync_dir, atomic_save_safetensors, atomic_write_json, atomic_write_text, read_json
+from ..artifacts import DraftsmithError, _fsync_dir, atomic_write_json, atomic_write_text, read_json
+from .distributed import DistInfo, barrier
 
 KEEP = 2
 LATEST = "latest"
+STATE = "state"
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 
@@ -47,53 +59,59 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([tensor(s) for s in state["torch_cuda"]])
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
-    """AdamW state as flat named tensors. `names` lists the parameters in the optimizer's order."""
-    sd = opt.state_dict()
-    out = {}
-    for idx, st in sd["state"].items():
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it runs in one process when no process group exists: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, names: dict[str, str]) -> tuple[dict, dict]:
+    """(flat DCP state {key: tensor or DTensor}, the optimizer state dict it aliases).
+    `names` maps the module's parameter FQNs to checkpoint names. Creates the AdamW state if
+    the optimizer has not stepped yet, so that a load has tensors to fill."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    flat = {f"model.{names[n]}": p for n, p in model.named_parameters() if n in names}
+    for fqn, st in osd["state"].items():
         for k, v in st.items():
-            out[f"{names[idx]}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu()
-    return out
+            flat[f"optim.{names[fqn]}.{k}"] = v
+    return flat, osd
 
 
-def load_optimizer_tensors(opt: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor], path: Path) -> None:
-    sd = opt.state_dict()
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    used = set()
-    for idx, name in enumerate(names):
-        st = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".") and k[len(name) + 1:] in ("exp_avg", "exp_avg_sq", "step")}
-        if st and set(st) != {"exp_avg", "exp_avg_sq", "step"}:
-            raise DraftsmithError(f"{path}: optimizer state of {name} is incomplete ({sorted(st)}); delete this step folder to resume from the previous one")
-        if st:
-            state[idx] = st
-            used.update(f"{name}.{k}" for k in st)
-    extra = sorted(set(tensors) - used)
-    if extra:
-        raise DraftsmithError(f"{path}: unexpected optimizer tensors {extra[:4]}; the drafter shape changed, delete the train folder to start over")
-    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    names: dict[str, str], meta: dict[str, Any], info: DistInfo) -> Path:
+    """Every rank writes its shards into a temporary folder; rank 0 adds meta.json, renames the
+    folder into place, points `latest` at it and prunes old ones. Returns the folder."""
+    import torch.distributed.checkpoint as dcp
 
-
-def save_checkpoint(train_dir: Path, step: int, params: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
-                    opt_names: list[str], meta: dict[str, Any]) -> Path:
-    """Write step-NNNNNN/ atomically, point `latest` at it, prune old ones. Returns the folder."""
     name = step_dir_name(step)
-    final = train_dir / name
-    tmp = train_dir / f".{name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    atomic_save_safetensors(tmp / "model.safetensors", {k: v.detach().float().cpu() for k, v in params.items()})
-    atomic_save_safetensors(tmp / "optim.safetensors", optimizer_tensors(opt, opt_names))
-    atomic_write_json(tmp / "meta.json", {**meta, "step": step, "rng": rng_state()})
-    if final.exists():  # the same step saved again (a rerun of a finished run)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(train_dir)
-    atomic_write_text(train_dir / LATEST, name + "\n")
-    steps = sorted((int(m.group(1)), p) for p in train_dir.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir())
-    for _, p in steps[:-KEEP]:
-        if p != final:
-            shutil.rmtree(p, ignore_errors=True)
+    final, tmp = train_dir / name, train_dir / f".{name}.tmp"
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / STATE).mkdir(parents=True)
+    barrier(info)
+    flat, _ = _state(model, opt, names)
+    with _quiet():
+        dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / STATE), save_distributed=True))
+    barrier(info)
+    if info.is_main:
+        for f in (tmp / STATE).iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        atomic_write_json(tmp / "meta.json", {**meta, "step": step, "world_size": info.world_size, "rng": rng_state()})
+        if final.exists():  # the same step saved again (a rerun of a finished run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(train_dir)
+        atomic_write_text(train_dir / LATEST, name + "\n")
+        steps = sorted((int(m.group(1)), p) for p in train_dir.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir())
+        for _, p in steps[:-KEEP]:
+            if p != final:
+                shutil.rmtree(p, ignore_errors=True)
+    barrier(info)
     return final
 
 
@@ -108,15 +126,33 @@ def find_latest(train_dir: Path) -> Optional[Path]:
     return steps[-1][1] if steps else None
 
 
-def load_checkpoint(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(meta, model tensors, optimizer tensors) of a step folder."""
+def load_checkpoint(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, names: dict[str, str]) -> dict:
+    """Fill the (possibly sharded) model and optimizer from a step folder, whatever world size
+    wrote it. Returns meta.json."""
+    import torch.distributed.checkpoint as dcp
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     meta = read_json(folder / "meta.json")
+    files = sorted((folder / STATE).glob("*.safetensors"))
     try:
-        model = load_file(str(folder / "model.safetensors"))
-        optim = load_file(str(folder / "optim.safetensors"))
-    except (SafetensorError, OSError, ValueError) as e:
+        saved = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                saved.update(h.keys())
+    except (SafetensorError, OSError) as e:
         raise DraftsmithError(f"{folder}: unreadable checkpoint ({e}); delete this folder to resume from the previous one") from None
-    return meta, model, optim
+    flat, osd = _state(model, opt, names)
+    if saved != set(flat):
+        diff = sorted(saved ^ set(flat))
+        raise DraftsmithError(f"{folder / STATE}: checkpoint tensors differ from the drafter's ({diff[:4]}); "
+                              f"the drafter shape changed, delete {folder.parent} to start over")
+    try:
+        with _quiet():
+            dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(folder / STATE)))
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps errors in CheckpointException, a BaseException
+        raise DraftsmithError(f"{folder / STATE}: cannot load the checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              f"delete {folder} to resume from the previous one") from None
+    set_optimizer_state_dict(model, opt, osd)
+    return meta

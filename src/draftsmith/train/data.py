@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from ..artifacts import DraftsmithError
+from ..data.shards import read_hidden_rows
 
 CHUNK = 1024
 REQUIRED = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
@@ -100,8 +101,8 @@ class CaptureIndex:
         for r, j in enumerate(sample_ids):
             si, a, n = self.entries[j]
             h = self._handles[si]
-            a_rows = h.get_slice("aux_hidden")[a:a + n]
-            f_rows = h.get_slice("final_hidden")[a:a + n]
+            a_rows = read_hidden_rows(h, "aux_hidden", a, a + n)  # fp8 shards: decoded to float32
+            f_rows = read_hidden_rows(h, "final_hidden", a, a + n)
             if aux is None:
                 aux = torch.zeros(B, L, a_rows.shape[-1], dtype=a_rows.dtype)
                 fin = torch.zeros(B, L, f_rows.shape[-1], dtype=f_rows.dtype)

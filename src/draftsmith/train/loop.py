@@ -2,18 +2,27 @@
 
 Reads capture/ (hidden-state shards), vocab/ (d2t, t2d) and, from the target, only its input
 embedding and lm_head (read_target_embeddings: no full model load). Writes
-    train/step-NNNNNN/{model,optim}.safetensors + meta.json, train/latest   (checkpoint.py)
+    train/step-NNNNNN/{state/*.safetensors,meta.json}, train/latest   (checkpoint.py, DCP)
     train/metrics.jsonl     one record per optimizer step (loss, CE/acc per TTT position, lr, grad norm)
-    train/tensorboard/      the same as TensorBoard scalars
+    train/eval.jsonl        held-out evaluations (simulated acceptance length per eval)
+    train/tensorboard/      the same as TensorBoard scalars, plus tokens/s, MFU, peak memory
+    train/best/             the drafter with the best held-out simulated tau (when heldout_samples > 0)
     train/drafter/          the final drafter (config.json + model.safetensors, draft.model.save_drafter)
-A rerun after a crash continues from `latest` and reproduces the uninterrupted run's losses:
-the batch plan is a function of (seed, epoch), the cursor and the AdamW state are checkpointed,
-and the learning rate is a function of the step.
+The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
+A step takes batch_tokens // micro_batch_tokens consecutive micro-batches of the epoch plan,
+dealt round-robin to the ranks; each micro-batch's loss is a fraction of the global batch's
+loss (ttt.ttt_loss weight_total), so 1 and N ranks take the same optimizer steps.
+A rerun after a crash continues from `latest` and reproduces the uninterrupted run's losses
+at any world size: the batch plan is a function of (seed, epoch), the cursor and the AdamW
+state are checkpointed, and the learning rate is a function of the step.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import sys
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -22,20 +31,23 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import (DraftsmithError, atomic_write_text, finish_manifest, load_manifest, log, new_manifest,
-                         require_complete, stage_dir, to_jsonable, verify_shards, write_manifest)
+from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, finish_manifest, load_manifest, log,
+                         new_manifest, require_complete, stage_dir, to_jsonable, verify_shards, write_manifest)
 from ..config import Recipe
 from ..draft.build import drafter_config, init_drafter, read_target_embeddings
-from ..draft.model import save_drafter
-from ..target.model import resolve_device, resolve_dtype
+from ..draft.model import Eagle3Drafter, save_drafter
+from ..target.model import resolve_dtype
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
-from .checkpoint import find_latest, load_checkpoint, load_optimizer_tensors, save_checkpoint, set_rng_state
+from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, epoch_plan
-from .ttt import simulated_tau, ttt_loss
+from .distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize
+from .flops import peak_flops, train_flops_per_token
+from .ttt import TTTLoss, position_weights, simulated_tau
 
 MAX_NONFINITE_IN_A_ROW = 10
 ADAM_BETAS = (0.9, 0.95)
 METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
 
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -54,9 +66,44 @@ def total_steps_of(recipe: Recipe, epoch_tokens: int) -> int:
     return max(1, math.ceil(tc.epochs * epoch_tokens / tc.batch_tokens))
 
 
+def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
+    """(micro-batch token budget, micro-batches per optimizer step)."""
+    micro = int(micro_batch_tokens or max(1, batch_tokens // world_size))
+    per_step = max(1, batch_tokens // micro)
+    if per_step % world_size:
+        raise DraftsmithError(f"train: batch_tokens {batch_tokens} / micro_batch_tokens {micro} = {per_step} micro-batches per step, "
+                              f"not a multiple of the world size {world_size}; set batch_tokens to a multiple of "
+                              f"micro_batch_tokens * {world_size}")
+    return micro, per_step
+
+
+def heldout_split(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training sample ids, held-out sample ids): the held-out ones are the first of a seeded permutation."""
+    if heldout <= 0:
+        return list(range(n)), []
+    if heldout >= n:
+        raise DraftsmithError(f"train: heldout_samples {heldout} leaves nothing to train on ({n} samples); lower it")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 7919 + 17)).tolist()
+    return sorted(order[heldout:]), sorted(order[:heldout])
+
+
 def _append_jsonl(f, record: dict) -> None:
     f.write(json.dumps(record) + "\n")
     f.flush()
+
+
+def _records_upto(path: Path, step: int) -> list[dict]:
+    """The JSONL records of steps <= step (a crash may have torn the last line)."""
+    recs = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec["step"] <= step:
+                recs.append(rec)
+    return recs
 
 
 def _fmt_s(s: float) -> str:
@@ -76,30 +123,72 @@ def _window_metrics(window: deque, k: int) -> dict:
             "grad_norm": sum(r["grad_norm"] for r in recs) / len(recs)}
 
 
+def _peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
+
+
+def full_drafter(model: TTTLoss, cfg, info: DistInfo):
+    """The whole drafter (float32, CPU) on rank 0, None elsewhere; a collective when sharded."""
+    if not is_sharded(model):
+        return model.drafter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not info.is_main:
+        return None
+    d = Eagle3Drafter(cfg)
+    d.load_state_dict({n.removeprefix("drafter."): t for n, t in sd.items()})
+    return d
+
+
+def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | None = None) -> str:
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    sha = save_drafter(drafter, tmp)
+    if extra:
+        atomic_write_json(tmp / "best.json", extra)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return sha
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
-    run_dir = Path(run_dir)
+    run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
     k = int(tc.ttt_steps)
     if k < 1 or tc.batch_tokens < 1 or tc.max_length < 3:
         raise DraftsmithError(f"train: ttt_steps {k}, batch_tokens {tc.batch_tokens}, max_length {tc.max_length}: "
                               "need ttt_steps >= 1, batch_tokens >= 1, max_length >= 3")
+    if tc.online:
+        # Seam for online mode: the target forward of target/online.py on data/ shards would
+        # replace CaptureIndex below (same aux_hidden/final_hidden per sample).
+        raise DraftsmithError("train.online: online training (target forward inside the loop) is not available yet; "
+                              "run `draftsmith capture` and set train.online: false")
+    info = init_distributed(tc.device)
+    main = info.is_main
+    micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
     cap_dir, vocab_dir, out_dir = (stage_dir(run_dir, s) for s in ("capture", "vocab", "train"))
     cap_m = require_complete(cap_dir, "capture")
     vocab_m = require_complete(vocab_dir, "vocab")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    latest = find_latest(out_dir)
+    latest = find_latest(out_dir) if out_dir.exists() else None
     prev = load_manifest(out_dir)
     if prev is not None and prev.get("status") == "running" and prev["fingerprint"] == fp:
         manifest = prev
     else:
         manifest = new_manifest("train", fp, {"draft": recipe.draft, "train": tc, "seed": recipe.seed},
                                 {"capture": cap_m["fingerprint"], "vocab": vocab_m["fingerprint"]})
-    write_manifest(out_dir, manifest)
-    # Hashing every shard costs a full read of the capture; do it once, not on each resume.
-    shard_paths = verify_shards(cap_dir, cap_m, check_hash=latest is None)
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_manifest(out_dir, manifest)
+    # Hashing every shard costs a full read of the capture; do it once (rank 0), not on each resume.
+    shard_paths = verify_shards(cap_dir, cap_m, check_hash=latest is None and main)
 
     # -- target tensors, vocab, drafter ----------------------------------------------------
-    device = resolve_device(tc.device)
+    device = info.device
     compute_dtype = resolve_dtype(tc.dtype, device)
     embed, lm_head, tcfg = read_target_embeddings(recipe.target.path, recipe.target.trust_remote_code)
     d2t, t2d = load_vocab(vocab_dir / VOCAB_FILE)
@@ -114,17 +203,18 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if not aux_layer_ids:
         raise DraftsmithError(f"{cap_dir / 'manifest.json'}: no aux_layer_ids recorded; rerun `draftsmith capture --force`")
     cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
-    model = init_drafter(cfg, embed, d2t, t2d, recipe.seed).to(device)
+    drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed).to(device)
     head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)  # target lm_head rows of the draft vocab
     del embed, lm_head
+    # FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit.
+    model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention), info, compute_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    # Parallelism goes here later (FSDP2 fully_shard applied to `model` from outside).
-    decay = [(n, p) for n, p in named if p.dim() >= 2]
-    no_decay = [(n, p) for n, p in named if p.dim() < 2]
-    opt_names = [n for n, _ in decay + no_decay]
+    names = {n: n.removeprefix("drafter.") for n, _ in named}
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
     params = [p for _, p in named]
-    opt = torch.optim.AdamW([{"params": [p for _, p in decay], "weight_decay": tc.weight_decay},
-                             {"params": [p for _, p in no_decay], "weight_decay": 0.0}],
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
                             lr=tc.lr, betas=ADAM_BETAS, eps=1e-8)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
@@ -133,146 +223,231 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if len(index) == 0:
         raise DraftsmithError(f"{cap_dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
                               f"({index.dropped} dropped); check prepare's loss masks and max_length")
-    total_steps = total_steps_of(recipe, index.num_tokens)
+    train_ids, heldout_ids = heldout_split(len(index), tc.heldout_samples, recipe.seed)
+    train_lengths = [index.lengths[j] for j in train_ids]
+    sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
+    total_steps = total_steps_of(recipe, sum(train_lengths))
+
+    def plan_of(epoch: int) -> list[list[int]]:
+        return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch)]
 
     # -- resume ----------------------------------------------------------------------------
-    step, epoch, position, skipped, in_a_row = 0, 0, 0, 0, 0
-    metrics_path = out_dir / METRICS_FILE
+    step, epoch, position, skipped, in_a_row, best_tau = 0, 0, 0, 0, 0, None
+    metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
     window: deque = deque(maxlen=max(1, tc.log_every))
     if latest is not None:
-        meta, model_tensors, optim_tensors = load_checkpoint(latest)
+        meta = load_checkpoint(latest, model, opt, names)
         if meta.get("fingerprint") != fp:
             raise DraftsmithError(f"{latest / 'meta.json'}: checkpoint of other inputs or config (fingerprint {meta.get('fingerprint')}, "
                                   f"now {fp}); delete {out_dir} to start over")
-        want = {n for n, _ in named}
-        if set(model_tensors) != want or any(model_tensors[n].shape != p.shape for n, p in named):
-            raise DraftsmithError(f"{latest / 'model.safetensors'}: parameters do not match the drafter; delete {out_dir} to start over")
-        with torch.no_grad():
-            for n, p in named:
-                p.copy_(model_tensors[n])
-        load_optimizer_tensors(opt, opt_names, optim_tensors, latest / "optim.safetensors")
         set_rng_state(meta["rng"])
         step, epoch, position = int(meta["step"]), int(meta["epoch"]), int(meta["position"])
         skipped, in_a_row = int(meta.get("skipped_nonfinite", 0)), int(meta.get("nonfinite_in_a_row", 0))
-        kept = []
-        if metrics_path.exists():
-            for line in metrics_path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by the crash
-                if rec["step"] <= step:
-                    kept.append(rec)
-        atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
-        window.extend(kept)
-        log(f"[train] resuming from {latest.name}: step {step}/{total_steps}, epoch {epoch}, batch {position}")
-    else:
+        best_tau = meta.get("best_tau")
+        for path in (metrics_path, eval_path):
+            recs = _records_upto(path, step)
+            if main:
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in recs))
+            if path == metrics_path:
+                window.extend(recs)
+        if main:
+            log(f"[train] resuming from {latest.name} (saved at world size {meta.get('world_size', 1)}): "
+                f"step {step}/{total_steps}, epoch {epoch}, batch {position}")
+    elif main:
         metrics_path.unlink(missing_ok=True)
-    plan = epoch_plan(index.lengths, tc.batch_tokens, recipe.seed, epoch)
-    log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
-        f"{len(index)} samples ({index.dropped} dropped), {index.num_tokens} tokens/epoch, {len(plan)} batches/epoch, "
-        f"{total_steps} steps, {device} {str(compute_dtype).replace('torch.', '')}")
+        eval_path.unlink(missing_ok=True)
+    barrier(info)
+    plan = plan_of(epoch)
+    mean_context = sum(n * (n + 1) / 2 for n in train_lengths) / max(1, sum(train_lengths))
+    flops_per_token = train_flops_per_token(cfg, k, mean_context)
+    peak = peak_flops(device, tc.peak_tflops)
+    if main:
+        log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
+            f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out), {sum(train_lengths)} tokens/epoch, "
+            f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
+            f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}")
 
-    from torch.utils.tensorboard import SummaryWriter
+    writer = metrics_file = eval_file = bar = None
+    if main:
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
 
-    writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
-    metrics_file = open(metrics_path, "a", encoding="utf-8")
+        writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
+        metrics_file = open(metrics_path, "a", encoding="utf-8")
+        eval_file = open(eval_path, "a", encoding="utf-8")
+        bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
+                   disable=not sys.stderr.isatty())
     start_step, t_start = step, time.time()
     t_window, tokens_window, tokens_session = t_start, 0, 0
 
     def checkpoint_meta() -> dict:
         return {"fingerprint": fp, "epoch": epoch, "position": position, "total_steps": total_steps,
-                "skipped_nonfinite": skipped, "nonfinite_in_a_row": in_a_row,
+                "skipped_nonfinite": skipped, "nonfinite_in_a_row": in_a_row, "best_tau": best_tau,
                 "drafter": asdict(cfg), "recipe": to_jsonable(recipe)}
 
+    def evaluate_heldout() -> dict:
+        """Loss, acc per position and simulated tau on the held-out samples, over all ranks.
+        Every rank runs the same number of forwards (FSDP collectives); spare ones count 0."""
+        batches = [[heldout_ids[j] for j in b] for b in epoch_plan([index.lengths[j] for j in heldout_ids], micro_tokens, recipe.seed, 0)]
+        wt = sample_weights[heldout_ids].sum(0)
+        sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for r in range(math.ceil(len(batches) / info.world_size)):
+                j = r * info.world_size + info.rank
+                batch = index.batch(batches[j if j < len(batches) else 0]).to(device)
+                with autocast:
+                    out = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden, head_weight, wt)
+                if j < len(batches):
+                    sums += torch.cat([out[0].detach().reshape(1), *out[1:]]).double()
+        all_reduce_sum(sums, info)
+        correct, weight = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
+        acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
+        return {"step": step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
+
     try:
-        model.train()
         while step < total_steps:
-            if position >= len(plan):
-                epoch, position = epoch + 1, 0
-                plan = epoch_plan(index.lengths, tc.batch_tokens, recipe.seed, epoch)
-            sample_ids = plan[position]
-            position += 1
-            batch = index.batch(sample_ids).to(device)
+            micro_ids = []
+            for _ in range(micro_per_step):
+                if position >= len(plan):
+                    epoch, position = epoch + 1, 0
+                    plan = plan_of(epoch)
+                micro_ids.append(plan[position])
+                position += 1
+            mine = micro_ids[info.rank::info.world_size]
+            weight_total = sample_weights[[j for b in micro_ids for j in b]].sum(0)
+            step_tokens = sum(index.lengths[j] for b in micro_ids for j in b)
             step += 1
             lr = lr_at(step, total_steps, tc.lr, tc.warmup_steps, tc.min_lr_ratio)
             for group in opt.param_groups:
                 group["lr"] = lr
 
-            with autocast:
-                out = ttt_loss(model, batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden,
-                               head_weight, k, tc.ttt_decay)
-            loss = float(out.loss.detach())
-            grad_norm = float("nan")
-            ok = math.isfinite(loss)
+            sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
+            for mi, ids in enumerate(mine):
+                batch = index.batch(ids).to(device)
+                if is_sharded(model):  # reduce-scatter gradients once, after the last micro-batch
+                    model.set_requires_gradient_sync(mi == len(mine) - 1)
+                with autocast:
+                    loss, ce, correct, weight = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden,
+                                                      head_weight, weight_total)
+                # FSDP averages gradients over ranks; the micro losses are already fractions of the global one.
+                (loss * info.world_size).backward()
+                sums += torch.cat([loss.detach().reshape(1), ce, correct, weight]).double()
+            all_reduce_sum(sums, info)
+            loss = float(sums[0])
+            grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))))
+            ok = math.isfinite(loss) and math.isfinite(grad_norm)
             if ok:
-                out.loss.backward()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")))
-                ok = math.isfinite(grad_norm)
-                if ok:
-                    opt.step()
+                opt.step()
             opt.zero_grad(set_to_none=True)
             if ok:
                 in_a_row = 0
             else:
                 skipped, in_a_row = skipped + 1, in_a_row + 1
-                si, _, _ = index.entries[sample_ids[0]]
-                log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({in_a_row} in a row)")
+                si, _, _ = index.entries[micro_ids[0][0]]
+                if main:
+                    log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({in_a_row} in a row)")
                 if in_a_row >= MAX_NONFINITE_IN_A_ROW:
                     raise DraftsmithError(f"{index.paths[si]}: {in_a_row} training steps in a row had a non-finite loss or gradient "
                                           f"(last at step {step}); check capture/ for NaN/inf hidden states (rerun `draftsmith capture --force`) "
                                           "or lower train.lr")
 
-            ce, correct, weight = out.ce.tolist(), out.correct.tolist(), out.weight.tolist()
+            ce, correct, weight = sums[1:1 + k].tolist(), sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
             rec = {"step": step, "loss": loss, "ce": ce, "correct": correct, "weight": weight,
                    "acc": [c / w if w else 0.0 for c, w in zip(correct, weight)], "lr": lr, "grad_norm": grad_norm,
-                   "tokens": batch.num_tokens, "epoch": epoch, "skipped": not ok}
-            _append_jsonl(metrics_file, rec)
+                   "tokens": step_tokens, "epoch": epoch, "skipped": not ok}
             window.append(rec)
-            tokens_window += batch.num_tokens
-            tokens_session += batch.num_tokens
-            if ok:
-                writer.add_scalar("train/loss", loss, step)
-                writer.add_scalar("train/lr", lr, step)
-                writer.add_scalar("train/grad_norm", grad_norm, step)
-                for i, a in enumerate(rec["acc"]):
-                    writer.add_scalar(f"train/acc_{i}", a, step)
-                writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
+            tokens_window += step_tokens
+            tokens_session += step_tokens
+            if main:
+                _append_jsonl(metrics_file, rec)
+                bar.update(1)
+                if ok:
+                    writer.add_scalar("train/loss", loss, step)
+                    writer.add_scalar("train/lr", lr, step)
+                    writer.add_scalar("train/grad_norm", grad_norm, step)
+                    for i, (a, c) in enumerate(zip(rec["acc"], ce)):
+                        writer.add_scalar(f"train/acc_{i}", a, step)
+                        writer.add_scalar(f"train/ce_{i}", c, step)
+                    writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
 
-            if step % max(1, tc.log_every) == 0 or step == total_steps:
+            if main and (step % max(1, tc.log_every) == 0 or step == total_steps):
                 now = time.time()
                 w = _window_metrics(window, k)
                 tokens_per_s = tokens_window / max(now - t_window, 1e-9)
                 eta = (now - t_start) / (step - start_step) * (total_steps - step)
+                mfu = tokens_per_s * flops_per_token / (peak * info.world_size) if peak else None
+                mem = _peak_memory_gib(device)
                 acc_txt = " ".join(f"{a:.2f}" for a in w["acc"])
                 log(f"[train] step {step}/{total_steps} | loss {w['loss']:.4f} | acc {acc_txt} | tau {w['tau']:.2f} | "
-                    f"lr {lr:.2e} | gnorm {w['grad_norm']:.2f} | {tokens_per_s:,.0f} tok/s | eta {_fmt_s(eta)}"
+                    f"lr {lr:.2e} | gnorm {w['grad_norm']:.2f} | {tokens_per_s:,.0f} tok/s"
+                    + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | mem {mem:.1f} GiB | eta {_fmt_s(eta)}"
                     + (f" | skipped {skipped}" if skipped else ""))
                 writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
+                writer.add_scalar("train/peak_memory_gib", mem, step)
+                if mfu is not None:
+                    writer.add_scalar("train/mfu", mfu, step)
                 writer.flush()
                 t_window, tokens_window = now, 0
 
+            if heldout_ids and ((tc.eval_every > 0 and step % tc.eval_every == 0) or step == total_steps):
+                ev = evaluate_heldout()
+                better = best_tau is None or ev["tau"] > best_tau
+                if better:
+                    best_tau = ev["tau"]
+                best = full_drafter(model, cfg, info) if better else None
+                if main:
+                    _append_jsonl(eval_file, ev)
+                    writer.add_scalar("eval/loss", ev["loss"], step)
+                    writer.add_scalar("eval/tau_simulated", ev["tau"], step)
+                    for i, a in enumerate(ev["acc"]):
+                        writer.add_scalar(f"eval/acc_{i}", a, step)
+                    log(f"[train] eval step {step}: loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
+                        f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else ""))
+                    if better:
+                        _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"]})
+
             if step % max(1, tc.save_every) == 0 or step == total_steps:
-                folder = save_checkpoint(out_dir, step, dict(named), opt, opt_names, checkpoint_meta())
+                folder = save_checkpoint(out_dir, step, model, opt, names, checkpoint_meta(), info)
                 manifest["checkpoint"] = folder.name
-                write_manifest(out_dir, manifest)
+                if main:
+                    write_manifest(out_dir, manifest)
     finally:
-        metrics_file.close()
-        writer.close()
+        if main:
+            metrics_file.close()
+            eval_file.close()
+            writer.close()
+            bar.close()
 
     # -- final drafter and manifest -------------------------------------------------------
-    model.eval()
-    sha = save_drafter(model, out_dir / "drafter")
+    final = full_drafter(model, cfg, info)
     wall = time.time() - t_start
+    barrier(info)
+    if not main:
+        return manifest
+    final.eval()
+    sha = _save_drafter_atomic(final, out_dir / "drafter")
     w = _window_metrics(window, k)
     manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg)}
     manifest["device"], manifest["compute_dtype"] = device.type, str(compute_dtype).replace("torch.", "")
-    manifest["counts"] = {"steps": step, "skipped_nonfinite": skipped, "samples": len(index), "samples_dropped": index.dropped,
-                          "tokens_per_epoch": index.num_tokens, "batches_per_epoch": len(plan), "epochs_started": epoch + 1}
+    manifest["world_size"] = info.world_size
+    manifest["counts"] = {"steps": step, "skipped_nonfinite": skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
+                          "samples_dropped": index.dropped, "tokens_per_epoch": sum(train_lengths),
+                          "batches_per_epoch": len(plan), "micro_batches_per_step": micro_per_step, "epochs_started": epoch + 1}
+    tokens_per_s = tokens_session / wall if wall > 0 and step > start_step else None
     manifest["metrics"] = {"loss": w["loss"], "acc_per_position": w["acc"], "tau_simulated": w["tau"],
-                           "tokens_per_s": tokens_session / wall if wall > 0 and step > start_step else None,
-                           "steps": step, "window_steps": len(window)}
+                           "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),
+                           "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak and tokens_per_s else None,
+                           "peak_memory_gib": round(_peak_memory_gib(device), 3), "train_flops_per_token": flops_per_token}
+    if best_tau is not None:
+        manifest["metrics"]["heldout_tau_simulated_best"] = best_tau
+        manifest["best"] = {"dir": "best", **read_json_safe(out_dir / "best" / "best.json")}
     manifest["timings"]["train_s_this_session"] = round(wall, 3)
     log(f"[train] done: {step} steps, loss {w['loss']:.4f}, acc {' '.join(f'{a:.2f}' for a in w['acc'])}, "
         f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'}")
     return finish_manifest(out_dir, manifest)
+
+
+def read_json_safe(path: Path) -> dict:
+    from ..artifacts import read_json
+
+    return read_json(path) if path.exists() else {}

@@ -9,10 +9,16 @@ For a sample x[0..L-1] with aux states a[t] and the target's final hidden states
     w_i[t]  = loss_mask[t+2+i]  (0 past the end)
     loss    = sum_i decay**i * CE_i
 Accuracy at position i: argmax of the draft == argmax of the restricted target, over weighted rows.
+
+With gradient accumulation and several ranks, a micro-batch divides by the weight of the
+whole global batch at each position (`weight_total`, known before the forward from the loss
+masks), so summing the micro-batch losses over micro-batches and ranks gives exactly the loss
+of the global batch: world size 1 and N take the same optimizer steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +42,19 @@ def target_distribution(final_hidden: torch.Tensor, head_weight: torch.Tensor) -
     return logits.float().softmax(-1), logits.argmax(-1)
 
 
+def position_weights(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps] float64: the row weight sum_t w_i[t] of each TTT position for a [B, L] or [L] mask."""
+    m = loss_mask.reshape(-1, loss_mask.shape[-1]).double()
+    return torch.stack([m[:, 2 + i:].sum() for i in range(steps)])
+
+
 def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
-             final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float) -> TTTOutput:
+             final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float,
+             weight_total: Optional[torch.Tensor] = None, attention: str = "auto") -> TTTOutput:
     """The TTT loss of a right-padded batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
     final_hidden [B, L, H]. Padding needs token 0, mask 0: padded rows come after the real ones,
-    so causal attention keeps them out of every real row."""
+    so causal attention keeps them out of every real row. `weight_total` [steps]: the denominators
+    of CE_i (default: this batch's own position weights)."""
     B, L = input_ids.shape
     dev = input_ids.device
     probs, target_argmax = target_distribution(final_hidden, head_weight)
@@ -52,7 +66,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     loss = torch.zeros((), device=dev)
     ce_all, correct_all, weight_all = [], [], []
     for i in range(steps):
-        g = model.ttt_step(ids_ext[:, 1 + i:1 + i + L], hidden, positions + i, cache)
+        g = model.ttt_step(ids_ext[:, 1 + i:1 + i + L], hidden, positions + i, cache, attention)
         hidden = g
         rows = L - 1 - i  # rows t whose target position t+1+i exists
         if rows <= 0:  # batch shorter than the unroll: nothing left to predict
@@ -63,13 +77,29 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
         w = mask_ext[:, 2 + i:2 + i + rows]
         ce = -(probs[:, 1 + i:1 + i + rows] * logp).sum(-1)
         wsum = w.sum()
-        ce_i = (ce * w).sum() / wsum.clamp_min(1.0)
+        denom = wsum if weight_total is None else weight_total[i].to(device=dev, dtype=wsum.dtype)
+        ce_i = (ce * w).sum() / denom.clamp_min(1.0)
         loss = loss + decay ** i * ce_i
         hit = (logp.argmax(-1) == target_argmax[:, 1 + i:1 + i + rows]).float()
         ce_all.append(ce_i.detach())
         correct_all.append((hit * w).sum())
         weight_all.append(wsum)
     return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all))
+
+
+class TTTLoss(torch.nn.Module):
+    """The drafter with its TTT loss as `forward`, so that FSDP2 (which hooks `forward`) sees
+    one call per micro-batch: one all-gather of the parameters, one reduce-scatter of the
+    gradients. Returns a tuple of tensors (loss, ce, correct, weight) for FSDP's output hooks."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "auto"):
+        super().__init__()
+        self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
+
+    def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total):
+        out = ttt_loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
+                       self.steps, self.decay, weight_total, self.attention)
+        return out.loss, out.ce, out.correct, out.weight
 
 
 def simulated_tau(acc: list[float]) -> float:

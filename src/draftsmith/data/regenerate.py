@@ -1,0 +1,282 @@
+"""Regenerate stage (optional, between prepare and capture): the target rewrites the assistant turns.
+
+Drafters trained on the target's own answers accept more. For every conversation that prepare
+kept (its shards' sample_index), turn by turn: the conversation so far, with earlier assistant
+turns already replaced, is sent to the target, and its answer replaces the next assistant turn.
+The answers come from a local batched `generate` (regenerate.server_url unset) or from any
+OpenAI-compatible server (`vllm serve`, SGLang: POST {server_url}/chat/completions); nothing
+else is contacted (redirects are refused).
+
+Writes RUN_DIR/regen/, the same format as data/ (capture then reads it):
+    shard-NNNNN.safetensors   token ids + assistant-only loss masks of the regenerated conversations
+    shard-NNNNN.jsonl         their messages (source_id, sample_index, messages)
+    errors.jsonl              every conversation left out, with the reason (request failed after
+                              retries, answer truncated at max_new_tokens, no loss token left)
+    token_counts.safetensors  as prepare's, over the regenerated loss tokens
+A chunk of prepare.samples_per_shard conversations is the unit of resume: a rerun continues after
+the last chunk listed in the manifest.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
+                         load_manifest, log, new_manifest, require_complete, stage_dir, verify_shards, write_manifest)
+from ..config import Recipe, RegenerateConfig
+from .readers import ReadStats, read_conversations
+from .shards import Sample, read_shard, shard_name, write_shard
+from .template import render
+
+ERRORS_FILE = "errors.jsonl"
+COUNTS_FILE = "token_counts.safetensors"
+
+
+@dataclass
+class Answer:
+    text: Optional[str]
+    error: Optional[str] = None
+    """Why there is no usable answer: request failure or truncation."""
+
+
+# ----------------------------------------------------------------------------- generators
+
+
+class LocalGenerator:
+    """Batched `generate` of the target, left-padded; greedy at temperature 0."""
+
+    def __init__(self, recipe: Recipe):
+        from ..target.model import load_target
+
+        t = recipe.target
+        self.target = load_target(t.path, t.device, t.dtype, t.trust_remote_code, with_tokenizer=True,
+                                  device_map=t.device_map)
+        self.tok = self.target.tokenizer
+        self.cfg = recipe.regenerate
+        gen_eos = self.target.model.generation_config.eos_token_id
+        eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+        self.eos = {int(e) for e in eos + [self.tok.eos_token_id] if e is not None}
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
+
+    def __call__(self, conversations: Sequence[list[dict]]) -> list[Answer]:
+        out = []
+        for i in range(0, len(conversations), self.cfg.batch_size):
+            out += self._batch(conversations[i:i + self.cfg.batch_size])
+        return out
+
+    @torch.inference_mode()
+    def _batch(self, conversations: Sequence[list[dict]]) -> list[Answer]:
+        prompts = [self.tok.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True) for c in conversations]
+        enc = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        L = max(len(e) for e in enc)
+        ids = torch.full((len(enc), L), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(enc), L), dtype=torch.long)
+        for r, e in enumerate(enc):
+            ids[r, L - len(e):], mask[r, L - len(e):] = torch.tensor(e), 1
+        dev = self.target.device
+        sample = self.cfg.temperature > 0
+        kw = dict(do_sample=True, temperature=self.cfg.temperature) if sample else dict(do_sample=False)
+        gen = self.target.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                         max_new_tokens=self.cfg.max_new_tokens, eos_token_id=sorted(self.eos),
+                                         pad_token_id=self.pad, **kw)[:, L:].cpu().tolist()
+        answers = []
+        for row in gen:
+            end = next((j for j, t in enumerate(row) if t in self.eos), None)
+            if end is None:
+                answers.append(Answer(None, f"truncated: no end of turn within max_new_tokens {self.cfg.max_new_tokens}"))
+            else:
+                answers.append(Answer(self.tok.decode(row[:end], skip_special_tokens=True)))
+        return answers
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused (talks only to server_url)", headers, fp)
+
+
+class ServerGenerator:
+    """POST {server_url}/chat/completions, `concurrency` requests at a time, with retries."""
+
+    def __init__(self, cfg: RegenerateConfig):
+        self.cfg = cfg
+        self.url = cfg.server_url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise DraftsmithError(f"regenerate.server_url {cfg.server_url!r}: not an http(s) URL; give the server's "
+                                  "OpenAI-compatible base, e.g. http://127.0.0.1:8000/v1")
+        self.opener = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
+        self.model = cfg.server_model or self._first_model()
+
+    def _request(self, path: str, body: Optional[dict] = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+        with self.opener.open(req, timeout=self.cfg.timeout_s) as r:
+            return json.loads(r.read().decode("utf-8"))
+
+    def _first_model(self) -> str:
+        try:
+            models = self._request("/models")["data"]
+            return str(models[0]["id"])
+        except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise DraftsmithError(f"regenerate.server_url {self.url}: GET /models failed ({type(e).__name__}: {e}); start the "
+                                  "server (vllm serve / sglang) or set regenerate.server_model") from None
+
+    def _one(self, messages: list[dict]) -> Answer:
+        body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
+                "temperature": self.cfg.temperature}
+        error = "no attempt"
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                choice = self._request("/chat/completions", body)["choices"][0]
+            except urllib.error.HTTPError as e:
+                error = f"HTTP {e.code}: {e.read()[:200].decode('utf-8', 'replace') if e.fp else e.reason}"
+                if 400 <= e.code < 500 and e.code != 429:
+                    break  # the request itself is wrong: retrying cannot help
+            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
+                error = f"{type(e).__name__}: {e}"
+            else:
+                content = (choice.get("message") or {}).get("content")
+                if choice.get("finish_reason") == "length":
+                    return Answer(None, f"truncated: finish_reason length at max_new_tokens {self.cfg.max_new_tokens}")
+                if not isinstance(content, str):
+                    return Answer(None, f"no message content in the response (finish_reason {choice.get('finish_reason')})")
+                return Answer(content)
+            if attempt < self.cfg.max_retries:
+                time.sleep(min(2.0 ** attempt, 30.0) * self.cfg.retry_delay_s)
+        return Answer(None, f"request failed after {attempt + 1} attempt(s): {error}")
+
+    def __call__(self, conversations: Sequence[list[dict]]) -> list[Answer]:
+        with ThreadPoolExecutor(max_workers=max(1, self.cfg.concurrency)) as pool:
+            return list(pool.map(self._one, [list(c) for c in conversations]))
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+def regenerate_conversations(generate, conversations: Sequence[list[dict]]) -> list[tuple[list[dict], Optional[str]]]:
+    """Each conversation with its assistant turns replaced, round by round (turn r of every
+    conversation in one call of `generate`), or with the reason it failed."""
+    msgs = [[dict(m) for m in c] for c in conversations]
+    turns = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in msgs]
+    failed: list[Optional[str]] = [None] * len(msgs)
+    for r in range(max((len(t) for t in turns), default=0)):
+        todo = [i for i in range(len(msgs)) if failed[i] is None and r < len(turns[i])]
+        if not todo:
+            break
+        answers = generate([msgs[i][:turns[i][r]] for i in todo])
+        for i, a in zip(todo, answers):
+            if a.error is not None:
+                failed[i] = f"assistant turn {r + 1}: {a.error}"
+            else:
+                msgs[i][turns[i][r]] = {"role": "assistant", "content": a.text}
+    return list(zip(msgs, failed))
+
+
+def kept_indices(data_dir: Path, data_m: dict) -> list[int]:
+    return [s.sample_index for p in verify_shards(data_dir, data_m) for s in read_shard(p, with_hidden=False)]
+
+
+def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
+    cfg, pcfg = recipe.regenerate, recipe.prepare
+    data_dir, out = stage_dir(run_dir, "prepare"), stage_dir(run_dir, "regenerate")
+    data_m = require_complete(data_dir, "prepare")
+    indices = kept_indices(data_dir, data_m)
+    path, fmt = Path(data_m["source"]["path"]), data_m["source"]["format"]
+    chunks = [indices[i:i + pcfg.samples_per_shard] for i in range(0, len(indices), pcfg.samples_per_shard)]
+
+    m = load_manifest(out)
+    if m is None or m["status"] != "running" or m["fingerprint"] != fp:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        m = new_manifest("regenerate", fp, cfg, {"prepare": data_m["fingerprint"]})
+        m.update(source=data_m["source"], tokenizer=data_m.get("tokenizer"),
+                 backend=cfg.server_url or "local generate")
+        m["counts"] = {"conversations": 0, "kept": 0, "failed": 0, "truncated": 0, "no_loss_tokens": 0, "tokens": 0,
+                       "loss_tokens": 0}
+        atomic_write_text(out / ERRORS_FILE, "")
+        write_manifest(out, m)
+    for stale in out.glob(".*.tmp-*"):
+        stale.unlink(missing_ok=True)
+    errors_text = (out / ERRORS_FILE).read_text(encoding="utf-8") if (out / ERRORS_FILE).exists() else ""
+    # errors of chunks the manifest lists; lines of a chunk that was cut off are written again
+    done_chunks = len(m["shards"])
+    errors = [line for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
+
+    from ..target.model import load_tokenizer
+
+    tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
+    generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
+    log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {m['backend']}; "
+        f"{done_chunks} chunk(s) done before")
+    counts = m["counts"]
+    stats = ReadStats()
+    t0 = time.time()
+    for k in tqdm(range(done_chunks, len(chunks)), desc="regenerate", unit="chunk", file=sys.stderr, disable=None):
+        want = set(chunks[k])
+        convs = [c for c in read_conversations(path, fmt, stats, pcfg.role_map, pcfg.on_unknown_role,
+                                               start=chunks[k][0], stop=chunks[k][-1] + 1) if c.index in want]
+        if [c.index for c in convs] != chunks[k]:
+            raise DraftsmithError(f"{path}: records {chunks[k][0]}..{chunks[k][-1]} no longer match what prepare read; "
+                                  "the source changed, rerun `draftsmith prepare --force`")
+        results = regenerate_conversations(generate, [c.messages for c in convs])
+        samples, texts = [], []
+        for conv, (msgs, reason) in zip(convs, results):
+            kind = None if reason is None else "truncated" if "truncated" in reason else "failed"
+            if reason is None:
+                r = render(tok, msgs, pcfg.max_length)
+                if sum(r.loss_mask) < pcfg.min_loss_tokens:
+                    kind = "no_loss_tokens"
+                    reason = f"fewer than {pcfg.min_loss_tokens} loss tokens after rendering (max_length {pcfg.max_length})"
+            if reason is not None:
+                counts[kind] += 1
+                errors.append(json.dumps({"chunk": k, "sample_index": conv.index, "source_id": conv.source_id,
+                                          "reason": reason}))
+                continue
+            samples.append(Sample(torch.tensor(r.input_ids, dtype=torch.int64), torch.tensor(r.loss_mask, dtype=torch.bool),
+                                  conv.index))
+            texts.append(json.dumps({"source_id": conv.source_id, "sample_index": conv.index, "messages": msgs}))
+            counts["tokens"] += len(r.input_ids)
+            counts["loss_tokens"] += sum(r.loss_mask)
+        counts["conversations"] += len(convs)
+        counts["kept"] += len(samples)
+        # errors first: a chunk is done only once the manifest lists it, and its errors are on disk by then
+        atomic_write_text(out / ERRORS_FILE, "".join(e + "\n" for e in errors))
+        name = shard_name(k)
+        atomic_write_bytes(out / name.replace(".safetensors", ".jsonl"), "".join(t + "\n" for t in texts).encode())
+        entry = write_shard(out / name, samples, metadata={"stage": "regenerate"})
+        m["shards"].append(entry)
+        write_manifest(out, m)
+
+    counts_vec = torch.zeros(len(tok), dtype=torch.int64)
+    for p in verify_shards(out, m):
+        for s in read_shard(p, with_hidden=False):
+            counts_vec += torch.bincount(s.input_ids[s.loss_mask], minlength=len(tok))[:len(tok)]
+    sha = atomic_save_safetensors(out / COUNTS_FILE, {"counts": counts_vec}, metadata={"stage": "regenerate"})
+    m["files"] = [{"file": COUNTS_FILE, "sha256": sha}, {"file": ERRORS_FILE}]
+    m["timings"]["regenerate_s"] = round(m["timings"].get("regenerate_s", 0) + time.time() - t0, 3)
+    left_out = counts["conversations"] - counts["kept"]
+    log(f"[regenerate] kept {counts['kept']:,} of {counts['conversations']:,} conversations; {left_out:,} left out "
+        f"({counts['truncated']} truncated, {counts['failed']} failed, {counts['no_loss_tokens']} without loss tokens), "
+        f"reasons in {out / ERRORS_FILE}")
+    if counts["kept"] == 0:
+        raise DraftsmithError(f"{out / ERRORS_FILE}: no conversation was regenerated ({left_out} left out); "
+                              "read the reasons there (server down? raise regenerate.max_new_tokens?)")
+    return finish_manifest(out, m)
+
+
+def read_errors(run_dir: Path) -> list[dict]:
+    """The errors file of a run's regenerate stage, as records."""
+    p = stage_dir(run_dir, "regenerate") / ERRORS_FILE
+    return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line] if p.exists() else []
+

@@ -1,0 +1,63 @@
+"""Rotary embeddings of the drafter, with the target's scaling (Llama-3.1 "llama3", YaRN, linear).
+
+The drafter copies the target's rope settings (draft/build.py) and the exports write them for
+the serving engine, so the drafter must compute the same rotation the engine will: inv_freq
+and the attention scaling come from transformers' own rope init functions
+(transformers.modeling_rope_utils), fed a Llama config built from the drafter's fields.
+Rope types whose frequencies change with the sequence length at run time (dynamic NTK,
+longrope) are refused rather than approximated.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Optional
+
+import torch
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+def rope_type(scaling: Optional[dict]) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, scaling_json: str, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ..artifacts import DraftsmithError
+
+    scaling = json.loads(scaling_json)
+    kind = rope_type(scaling)
+    if kind not in STATIC_ROPE_TYPES:
+        raise DraftsmithError(f"drafter config: rope_scaling type {kind!r} changes with the sequence length at run time and "
+                              f"is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+    if kind == "default":
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv_freq, 1.0
+    params = {k: v for k, v in scaling.items() if k != "type"}
+    params.update(rope_type=kind, rope_theta=theta)
+    # num_attention_heads * head_dim = hidden_size keeps any head_dim derivation consistent.
+    cfg = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1, head_dim=head_dim,
+                      max_position_embeddings=max_position_embeddings, rope_parameters=params)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](cfg, None)
+    return inv_freq.float(), float(attention_scaling)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
+                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32 on CPU, attention scaling) for these rope settings."""
+    return _inv_freq(int(head_dim), float(theta), json.dumps(scaling or None, sort_keys=True), int(max_position_embeddings))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, cfg, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, head_dim] (HF 'rotate_half' layout) for integer positions [B, T] and an
+    Eagle3Config (head_dim, rope_theta, rope_scaling, max_position_embeddings)."""
+    inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

@@ -1,0 +1,494 @@
+"""`draftsmith bench-serve`: load-test OpenAI-compatible endpoints over a concurrency sweep.
+
+    draftsmith bench-serve --url http://127.0.0.1:8000/v1 --prompts mtbench
+    draftsmith bench-serve --url http://h:8000/v1 --label plain --url_b http://h:8001/v1 --label_b eagle3
+
+Per concurrency level c, `requests_per_level` streaming requests are sent with at most c in
+flight. Per request: TTFT (send -> first content), TPOT ((end - first content) / (tokens - 1)),
+token count from the server's `usage` (stream_options.include_usage), else from the number of
+content chunks. Per level: p50/p90/p99 of TTFT, TPOT and latency, output tokens/s and
+requests/s over the level's wall time (successful requests only), errors by kind, and the
+speculative-decoding acceptance read from /metrics before and after the level (vLLM counters
+or SGLang gauges; serve/metrics.py). A/B mode alternates the two endpoints level by level
+(A B, then B A, ...) on the same prompts and reports B/A ratios.
+
+Bounded: every request has a total deadline (`request_timeout_s`), every level a deadline
+(`level_timeout_s`; what is left is cancelled and reported), a fixed request budget, and the
+client talks only to the configured URLs (no proxies from the environment).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+from urllib.parse import urlsplit
+
+from ..artifacts import DraftsmithError, Ledger, atomic_write_json, package_versions, to_jsonable
+from .metrics import parse_prometheus, spec_window
+
+
+@dataclass
+class BenchServeConfig:
+    """Load-test one OpenAI-compatible endpoint (or two, A/B) over a concurrency sweep."""
+
+    url: str = "http://127.0.0.1:8000/v1"
+    """Base URL of the OpenAI-compatible API (ending in /v1)."""
+    url_b: Optional[str] = None
+    """A/B mode: a second endpoint (e.g. the same model served with a drafter), run interleaved."""
+    label: str = "A"
+    """Name of `url` in the report."""
+    label_b: str = "B"
+    """Name of `url_b` in the report."""
+    model: Optional[str] = None
+    """Model name sent with each request; default: the first model of GET URL/models."""
+    model_b: Optional[str] = None
+    """Model name for url_b; default: the first model of GET URL_B/models."""
+    api: Literal["chat", "completions"] = "chat"
+    """chat: /chat/completions with the prompt as one user message; completions: raw prompt."""
+    prompts: str = "mtbench"
+    """Prompt set: mtbench, humaneval, sharegpt, or a .jsonl file (first user turn of each record)."""
+    max_prompts: int = 1000
+    """Read at most this many prompts (cycled when a level needs more requests)."""
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128])
+    """Concurrency levels (requests in flight)."""
+    requests_per_level: int = 0
+    """Requests per level; 0 = max(16, 4 x concurrency)."""
+    max_tokens: int = 256
+    """max_tokens of each request."""
+    temperature: float = 0.0
+    """Sampling temperature of each request."""
+    ignore_eos: bool = False
+    """Send ignore_eos (vLLM, SGLang) so every request generates max_tokens tokens."""
+    request_timeout_s: float = 300.0
+    """Total deadline of one request (connect to last byte)."""
+    level_timeout_s: float = 900.0
+    """Deadline of one level; requests still running are cancelled and reported."""
+    warmup_requests: int = 2
+    """Requests sent (sequentially, not measured) to each endpoint before the sweep."""
+    metrics_url: Optional[str] = None
+    """Prometheus endpoint of `url`; default SERVER_ROOT/metrics; `none` disables."""
+    metrics_url_b: Optional[str] = None
+    """Prometheus endpoint of `url_b` (same defaults)."""
+    out_dir: Optional[str] = None
+    """Where results.json and bench_serve.png go; default RUN_DIR/bench_serve, else ./bench_serve."""
+    run_dir: Optional[str] = None
+    """Run directory whose ledger records the figures (for status and plan)."""
+    seed: int = 0
+    """Shuffles the prompt order (the same order for every level and endpoint)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class Endpoint:
+    label: str
+    url: str
+    model: str = ""
+    metrics_url: Optional[str] = None
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency_s: float
+    ttft_s: Optional[float] = None
+    output_tokens: int = 0
+    tokens_from: str = "chunks"
+    error: Optional[str] = None
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+def request_body(api: str, model: str, prompt: str, cfg: BenchServeConfig) -> dict:
+    body: dict[str, Any] = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        err = json.loads(raw).get("error", raw.decode(errors="replace"))
+        msg = err.get("message", err) if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        msg = raw.decode(errors="replace")
+    return " ".join(str(msg).split())[:160]
+
+
+async def _stream(client, url: str, body: dict, t0: float) -> RequestResult:
+    ttft = usage_tokens = None
+    chunks, finished = 0, False
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raw = await r.aread()
+            return RequestResult(False, time.perf_counter() - t0, error=f"http_{r.status_code}: {_error_message(raw)}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                finished = True
+                break
+            try:
+                obj = json.loads(data)
+            except json.JSONDecodeError:
+                return RequestResult(False, time.perf_counter() - t0, ttft, chunks, error=f"bad_sse: {data[:80]!r}")
+            if obj.get("error"):
+                return RequestResult(False, time.perf_counter() - t0, ttft, chunks,
+                                     error=f"stream_error: {_error_message(json.dumps(obj).encode())}")
+            if obj.get("usage"):
+                usage_tokens = obj["usage"].get("completion_tokens")
+            for ch in obj.get("choices") or []:
+                delta = ch.get("delta") or {}
+                text = ch.get("text") or delta.get("content") or delta.get("reasoning_content")
+                if text:
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                finished = finished or ch.get("finish_reason") is not None
+    latency = time.perf_counter() - t0
+    if not finished:
+        return RequestResult(False, latency, ttft, chunks, error="dropped: stream ended before [DONE]/finish_reason")
+    tokens, source = (usage_tokens, "usage") if usage_tokens is not None else (chunks, "chunks")
+    return RequestResult(True, latency, ttft, int(tokens), source)
+
+
+async def one_request(client, url: str, body: dict, timeout_s: float) -> RequestResult:
+    """Send one streaming request; never raises, never outlives `timeout_s`."""
+    import httpx
+
+    t0 = time.perf_counter()
+    try:
+        return await asyncio.wait_for(_stream(client, url, body, t0), timeout_s)
+    except asyncio.TimeoutError:
+        return RequestResult(False, time.perf_counter() - t0, error=f"timeout: no complete answer within {timeout_s:g}s")
+    except httpx.ConnectError as e:
+        return RequestResult(False, time.perf_counter() - t0, error=f"connect: {e}")
+    except (httpx.HTTPError, OSError) as e:  # dropped connections surface as protocol/read errors
+        return RequestResult(False, time.perf_counter() - t0, error=f"dropped: {type(e).__name__}: {str(e)[:120]}")
+
+
+# ----------------------------------------------------------------------------- one level
+
+
+def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, Optional[float]]:
+    """Linear-interpolated percentiles (numpy's default) and the mean; None for no values."""
+    out: dict[str, Optional[float]] = {}
+    v = sorted(values)
+    for q in qs:
+        if not v:
+            out[f"p{q}"] = None
+            continue
+        x = (len(v) - 1) * q / 100
+        lo, hi = math.floor(x), math.ceil(x)
+        out[f"p{q}"] = v[lo] + (v[hi] - v[lo]) * (x - lo)
+    out["mean"] = sum(v) / len(v) if v else None
+    return out
+
+
+def summarize_level(concurrency: int, results: list[RequestResult], wall_s: float, not_sent: int,
+                    spec: Optional[dict]) -> dict:
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    for r in results:
+        if not r.ok:
+            kind = (r.error or "unknown").split(":")[0]
+            errors[kind] = errors.get(kind, 0) + 1
+            examples.setdefault(kind, r.error or "")
+    if not_sent:
+        errors["not_sent"] = not_sent
+    ms = lambda xs: {k: (None if v is None else round(v * 1000, 3)) for k, v in percentiles(xs).items()}  # noqa: E731
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(results) + not_sent, "ok": len(ok),
+        "errors": errors, "error_examples": examples, "wall_s": round(wall_s, 4), "output_tokens": tokens,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "ttft_ms": ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "latency_ms": ms([r.latency_s for r in ok]),
+        "tokens_from": sorted({r.tokens_from for r in ok}),
+        "spec_decode": spec,
+    }
+
+
+async def scrape(client, url: Optional[str]) -> Optional[dict]:
+    if not url:
+        return None
+    try:
+        r = await asyncio.wait_for(client.get(url), 10)
+        return parse_prometheus(r.text) if r.status_code == 200 else None
+    except Exception:  # metrics are optional; the benchmark goes on without them
+        return None
+
+
+async def run_level(client, ep: Endpoint, api: str, prompts: list[str], concurrency: int, n_requests: int,
+                    cfg: BenchServeConfig, bar=None) -> dict:
+    url = ep.url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
+    before = await scrape(client, ep.metrics_url)
+    results: list[RequestResult] = []
+    in_flight: dict[int, float] = {}
+    next_i = 0
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.level_timeout_s
+
+    async def worker():
+        nonlocal next_i
+        while next_i < n_requests and time.perf_counter() < deadline:
+            i, next_i = next_i, next_i + 1
+            in_flight[i] = time.perf_counter()
+            body = request_body(api, ep.model, prompts[i % len(prompts)], cfg)
+            timeout = min(cfg.request_timeout_s, max(deadline - time.perf_counter(), 0.001))
+            results.append(await one_request(client, url, body, timeout))
+            del in_flight[i]
+            if bar is not None:
+                bar.update(1)
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(concurrency, n_requests))]
+    done, pending = await asyncio.wait(workers, timeout=cfg.level_timeout_s + 5)
+    for w in pending:  # only if a request ignored its own deadline; cancel and count it
+        w.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    for i, started in list(in_flight.items()):
+        results.append(RequestResult(False, time.perf_counter() - started, error="level_timeout: cancelled at the level deadline"))
+    wall = time.perf_counter() - t0
+    after = await scrape(client, ep.metrics_url)
+    return summarize_level(concurrency, results, wall, max(n_requests - next_i, 0), spec_window(before, after))
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def _server_root(url: str) -> str:
+    u = urlsplit(url)
+    return f"{u.scheme}://{u.netloc}"
+
+
+async def _discover_model(client, ep: Endpoint) -> str:
+    try:
+        r = await asyncio.wait_for(client.get(ep.url.rstrip("/") + "/models"), 15)
+        data = r.json().get("data") if r.status_code == 200 else None
+        if data:
+            return str(data[0]["id"])
+        why = f"GET /models answered HTTP {r.status_code} without models"
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e)[:120]}"
+    raise DraftsmithError(f"{ep.url}: cannot list the served models ({why}); start the server, check --url "
+                          f"(it ends in /v1), or give the model name with --model")
+
+
+def _resolve_metrics_url(given: Optional[str], url: str) -> Optional[str]:
+    if given is not None:
+        return None if given.lower() == "none" else given
+    return _server_root(url) + "/metrics"
+
+
+async def run_sweep(cfg: BenchServeConfig, prompts: list[str]) -> dict:
+    import httpx
+    from tqdm import tqdm
+
+    eps = [Endpoint(cfg.label, cfg.url, cfg.model or "", _resolve_metrics_url(cfg.metrics_url, cfg.url))]
+    if cfg.url_b:
+        eps.append(Endpoint(cfg.label_b, cfg.url_b, cfg.model_b or "", _resolve_metrics_url(cfg.metrics_url_b, cfg.url_b)))
+    levels = list(cfg.concurrency)
+    n_per = {c: cfg.requests_per_level or max(16, 4 * c) for c in levels}
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=min(10.0, cfg.request_timeout_s))
+    limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
+    out: dict[str, Any] = {"levels": {ep.label: [] for ep in eps}}
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        for ep in eps:
+            ep.model = ep.model or await _discover_model(client, ep)
+            warm = [await one_request(client, ep.url.rstrip("/") + ("/chat/completions" if cfg.api == "chat" else "/completions"),
+                                      request_body(cfg.api, ep.model, prompts[i % len(prompts)], cfg), cfg.request_timeout_s)
+                    for i in range(cfg.warmup_requests)]
+            if warm and not any(r.ok for r in warm):
+                raise DraftsmithError(f"{ep.url}: every warm-up request failed (first: {warm[0].error}); "
+                                      "check that the server is up and serves this model and API (--api chat|completions)")
+        out["endpoints"] = [asdict(ep) for ep in eps]
+        total = sum(n_per.values()) * len(eps)
+        with tqdm(total=total, unit="req", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True) as bar:
+            for li, c in enumerate(levels):
+                for ep in (eps if li % 2 == 0 else eps[::-1]):  # A B, B A, ...: drift hits both alike
+                    bar.set_description(f"{ep.label} c={c}")
+                    out["levels"][ep.label].append(await run_level(client, ep, cfg.api, prompts, c, n_per[c], cfg, bar))
+    for ep in eps:
+        out["levels"][ep.label].sort(key=lambda lv: lv["concurrency"])
+    if len(eps) == 2:
+        out["ab"] = ab_ratios(out["levels"][eps[0].label], out["levels"][eps[1].label])
+    return out
+
+
+def _ratio(b: Optional[float], a: Optional[float]) -> Optional[float]:
+    return b / a if a and b is not None else None
+
+
+def ab_ratios(a_levels: list[dict], b_levels: list[dict]) -> list[dict]:
+    """B / A per concurrency: throughput > 1 and TPOT < 1 mean B is faster."""
+    rows = []
+    for a, b in zip(a_levels, b_levels):
+        rows.append({"concurrency": a["concurrency"],
+                     "tokens_per_s_ratio": _ratio(b["tokens_per_s"], a["tokens_per_s"]),
+                     "tpot_p50_ratio": _ratio(b["tpot_ms"]["p50"], a["tpot_ms"]["p50"]),
+                     "ttft_p50_ratio": _ratio(b["ttft_ms"]["p50"], a["ttft_ms"]["p50"])})
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _f(x: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def format_table(res: dict) -> str:
+    lines = []
+    for label, levels in res["levels"].items():
+        ep = next(e for e in res["endpoints"] if e["label"] == label)
+        lines.append(f"{label}: {ep['url']} (model {ep['model']})")
+        lines.append(f"{'conc':>5} {'ok/req':>9} {'tok/s':>9} {'req/s':>7} {'TTFT p50/p90/p99 ms':>23} "
+                     f"{'TPOT p50/p90/p99 ms':>23} {'accept len':>10}  errors")
+        for lv in levels:
+            t, p = lv["ttft_ms"], lv["tpot_ms"]
+            spec = lv["spec_decode"] or {}
+            errs = ", ".join(f"{k}={v}" for k, v in lv["errors"].items()) or "-"
+            lines.append(f"{lv['concurrency']:>5} {lv['ok']:>4}/{lv['requests']:<4} {_f(lv['tokens_per_s']):>9} "
+                         f"{_f(lv['requests_per_s'], '{:.2f}'):>7} "
+                         f"{_f(t['p50']):>7}/{_f(t['p90']):>7}/{_f(t['p99']):>7} "
+                         f"{_f(p['p50'], '{:.2f}'):>7}/{_f(p['p90'], '{:.2f}'):>7}/{_f(p['p99'], '{:.2f}'):>7} "
+                         f"{_f(spec.get('mean_acceptance_length'), '{:.2f}'):>10}  {errs}")
+    if res.get("ab"):
+        a, b = list(res["levels"])
+        lines.append(f"A/B ({b} / {a}): throughput > 1 and TPOT < 1 mean {b} is faster")
+        lines.append(f"{'conc':>5} {'tok/s ratio':>12} {'TPOT p50 ratio':>15} {'TTFT p50 ratio':>15}")
+        for row in res["ab"]:
+            lines.append(f"{row['concurrency']:>5} {_f(row['tokens_per_s_ratio'], '{:.3f}'):>12} "
+                         f"{_f(row['tpot_p50_ratio'], '{:.3f}'):>15} {_f(row['ttft_p50_ratio'], '{:.3f}'):>15}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, levels in res["levels"].items():
+        c = [lv["concurrency"] for lv in levels]
+        ax1.plot(c, [lv["tokens_per_s"] or 0 for lv in levels], "o-", label=label)
+        line, = ax2.plot(c, [lv["tpot_ms"]["p50"] for lv in levels], "o-", label=f"{label} p50")
+        ax2.plot(c, [lv["tpot_ms"]["p90"] for lv in levels], "--", color=line.get_color(), alpha=0.6, label=f"{label} p90")
+    for ax, title, ylabel in ((ax1, "output throughput", "output tokens/s"), (ax2, "time per output token", "TPOT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({lv["concurrency"] for lvs in res["levels"].values() for lv in lvs}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def ledger_summary(res: dict) -> dict:
+    """Headline figures per endpoint: what plan calibrates on and status shows."""
+    out = {}
+    for label, levels in res["levels"].items():
+        good = [lv for lv in levels if lv["ok"]]
+        one = next((lv for lv in good if lv["concurrency"] == 1), None)
+        peak = max(good, key=lambda lv: lv["tokens_per_s"] or 0, default=None)
+        out[label] = {
+            "single_stream_tpot_ms": one["tpot_ms"]["p50"] if one else None,
+            "single_stream_tokens_per_s": one["tokens_per_s"] if one else None,
+            "peak_tokens_per_s": peak["tokens_per_s"] if peak else None,
+            "peak_concurrency": peak["concurrency"] if peak else None,
+            "errors": sum(sum(lv["errors"].values()) for lv in levels),
+            "levels": [{k: lv[k] for k in ("concurrency", "ok", "requests", "tokens_per_s", "requests_per_s")}
+                       | {"tpot_p50_ms": lv["tpot_ms"]["p50"], "ttft_p50_ms": lv["ttft_ms"]["p50"],
+                          "mean_acceptance_length": (lv["spec_decode"] or {}).get("mean_acceptance_length")}
+                       for lv in levels],
+        }
+    return out
+
+
+def run(cfg: BenchServeConfig) -> dict:
+    """The whole benchmark: prompts, sweep, results.json, plot, ledger. Returns the results."""
+    from ..data.readers import load_prompts
+
+    levels = list(cfg.concurrency)
+    if not levels or any(c < 1 for c in levels):
+        raise DraftsmithError(f"--concurrency {levels}: give positive integers, e.g. [1,2,4,8]")
+    for name in ("url", "url_b"):
+        u = getattr(cfg, name)
+        if u and urlsplit(u).scheme not in ("http", "https"):
+            raise DraftsmithError(f"--{name} {u!r}: not an http(s) URL; give e.g. http://127.0.0.1:8000/v1")
+    prompts = [p.turns[0] for p in load_prompts(cfg.prompts, cfg.max_prompts)]
+    random.Random(cfg.seed).shuffle(prompts)
+    out_dir = Path(cfg.out_dir or (Path(cfg.run_dir) / "bench_serve" if cfg.run_dir else "bench_serve"))
+    t0 = time.time()
+    res = asyncio.run(run_sweep(cfg, prompts))
+    res = {"config": asdict(cfg), "started_at": t0, "wall_s": round(time.time() - t0, 3),
+           "versions": package_versions(), "num_prompts": len(prompts), **res}
+    atomic_write_json(out_dir / "results.json", res)
+    plot(res, out_dir / "bench_serve.png")
+    res["files"] = {"results": str(out_dir / "results.json"), "plot": str(out_dir / "bench_serve.png")}
+    if cfg.run_dir:
+        Ledger(cfg.run_dir).append("bench_serve", results=res["files"]["results"], api=cfg.api, prompts=cfg.prompts,
+                                   max_tokens=cfg.max_tokens, endpoints=res["endpoints"],
+                                   summary=ledger_summary(res), ab=res.get("ab"))
+    return to_jsonable(res)
+
+
+def parse_args(argv: list[str]) -> BenchServeConfig:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    p = ArgumentParser(prog="draftsmith bench-serve", description=BenchServeConfig.__doc__,
+                       exit_on_error=False, default_env=False)
+    p.add_argument("--config", action=ActionConfigFile, help="YAML with any of the options below")
+    p.add_class_arguments(BenchServeConfig, None, fail_untyped=True)
+    try:
+        ns = p.parse_args(argv)
+    except Exception as e:  # jsonargparse raises ArgumentError / SystemExit on bad flags
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        raise DraftsmithError(f"command line: {' '.join(str(e).split())}; see `draftsmith bench-serve --help`") from None
+    ns.pop("config", None)
+    return BenchServeConfig(**{k: ns[k] for k in BenchServeConfig.__dataclass_fields__})
+
+
+def main(argv: list[str]) -> int:
+    """`draftsmith bench-serve [--url URL] [--url_b URL] [--concurrency [1,2,4]] ...`."""
+    res = run(parse_args(argv))
+    print(format_table(res))
+    print(f"wrote {res['files']['results']} and {res['files']['plot']}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))

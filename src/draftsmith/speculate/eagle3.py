@@ -1,0 +1,161 @@
+"""EAGLE-3 drafting for a whole batch: a chain, or an EAGLE-2 dynamic tree.
+
+Drafter row t pairs the target's aux state at position t with token t+1 (rotary position t) and
+predicts token t+2. Committed rows always come from the target's real aux states; the rows made
+while drafting (fed the drafter's own g) are dropped after each round.
+
+Tree (EAGLE-2, Li et al. 2024): depth 1 takes the top-k tokens of the last committed row; at each
+further depth the k best nodes so far (by cumulative draft log-probability) are fed as k rows in
+one drafter forward, each attending to the committed rows, its fed ancestors and itself, and each
+proposes its top-k children. Of all nodes seen, the `budget` best by cumulative log-probability
+form the tree (closed under ancestors, since log-probs only decrease along a path). A chain is
+topk=1, budget=depth. At temperature > 0 a chain samples its drafts and hands their distribution
+to rejection sampling; a tree keeps deterministic top-k nodes (verified as point masses).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..draft.model import DraftKVCache, Eagle3Drafter
+from .engine import DraftTree, move_rows, tree_mask
+
+
+class Eagle3Proposer:
+    def __init__(self, drafter: Eagle3Drafter, topk: int = 1, budget: int = 5, temperature: float = 0.0,
+                 generator: Optional[torch.Generator] = None):
+        self.drafter, self.topk, self.budget = drafter, topk, budget
+        self.temperature, self.generator = temperature, generator
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.fc.weight.device
+
+    # ------------------------------------------------------------------ committed rows
+
+    def start(self, tokens: list[list[int]], outs) -> None:
+        B, dev = len(tokens), self.device
+        self.cache = DraftKVCache()
+        self.start_col = torch.zeros(B, dtype=torch.long, device=dev)
+        self.end_col = torch.zeros(B, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(B, dtype=torch.long, device=dev)  # committed rows = committed tokens - 1
+        self.g_last = torch.zeros(B, self.drafter.cfg.hidden_size, dtype=self.drafter.fc.weight.dtype, device=dev)
+        self._feed([t[1:] for t in tokens], outs)
+
+    def commit(self, new_tokens: list[list[int]], outs) -> None:
+        self._feed(new_tokens, outs)
+
+    def _feed(self, inputs: list[list[int]], outs) -> None:
+        """Append n_b committed rows per sequence (token, target aux state), behind its own rows."""
+        d, dev = self.drafter, self.device
+        n = [len(x) for x in inputs]
+        T, B = max(n), len(inputs)
+        if T == 0:
+            return
+        ids = torch.zeros(B, T, dtype=torch.long)
+        aux = None
+        for b, (x, o) in enumerate(zip(inputs, outs)):
+            if not x:
+                continue
+            ids[b, :len(x)] = torch.tensor(x)
+            a = o.aux_hidden[0, :len(x)]
+            if aux is None:
+                aux = torch.zeros(B, T, a.shape[-1], dtype=a.dtype, device=dev)
+            aux[b, :len(x)] = a.to(dev)
+        valid = torch.arange(T)[None] < torch.tensor(n)[:, None]
+        anc = (torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool)[None]
+        past = self.cache.length
+        mask = tree_mask(self.start_col, self.end_col, past, anc.to(dev))
+        pos = self.rows[:, None] + torch.arange(T, device=dev)[None]
+        g = d(ids.to(dev), d.project(aux), pos, self.cache, attn_mask=mask)
+        bs, src, dst = [], [], []
+        for b in range(B):
+            if n[b]:
+                self.g_last[b] = g[b, n[b] - 1]
+                e = int(self.end_col[b])
+                bs += [b] * n[b]
+                src += list(range(past, past + n[b]))
+                dst += list(range(e, e + n[b]))
+        n_t = torch.tensor(n, device=dev)
+        self.end_col += n_t
+        self.rows += n_t
+        move_rows(self.cache, bs, src, dst, int(self.end_col.max()))
+
+    # ------------------------------------------------------------------ drafting
+
+    def _to_target_probs(self, q_draft: torch.Tensor) -> torch.Tensor:
+        d = self.drafter
+        q = torch.zeros(q_draft.shape[:-1] + (d.cfg.vocab_size,), dtype=torch.float32, device=q_draft.device)
+        ids = d.draft_to_target(torch.arange(q_draft.shape[-1], device=q_draft.device))
+        return q.index_copy_(-1, ids, q_draft.float())
+
+    @torch.inference_mode()
+    def propose(self, max_depth: list[int]) -> list[DraftTree]:
+        d, dev, B = self.drafter, self.device, len(max_depth)
+        D = max(max_depth)
+        if D <= 0:
+            return [DraftTree() for _ in max_depth]
+        sampled = self.temperature > 0 and self.topk == 1
+        K = self.topk
+        past = self.cache.length
+
+        def children(g: torch.Tensor):
+            """top-k (or one sampled) draft ids per row, their log-probs, their q over the target vocab."""
+            logits = d.logits(g).float()
+            if sampled:
+                q = torch.softmax(logits / self.temperature, -1)
+                idx = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=self.generator).reshape(q.shape[:-1] + (1,))
+                return idx, torch.zeros(idx.shape, device=dev), self._to_target_probs(q)
+            logp, idx = torch.log_softmax(logits, -1).topk(K, dim=-1)
+            return idx, logp, None
+
+        # candidates, in creation order (parents first): target token, cumulative score, parent, depth
+        idx, logp, q = children(self.g_last)                                  # [B, K]
+        toks, scores = [d.draft_to_target(idx)], [logp]
+        parents, depths = [torch.full((B, K), -1, device=dev)], [1]
+        qs = [q[:, None].expand(B, K, -1)] if sampled else None
+        front = torch.arange(K, device=dev)[None].expand(B, K)               # global candidate index
+        front_score, front_g = logp, self.g_last[:, None].expand(B, K, -1)
+        front_anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)       # fed ancestors
+        n_cand = K
+        for depth in range(2, D + 1):
+            tok = torch.cat(toks, 1).gather(1, front)
+            anc = torch.cat([front_anc, torch.eye(K, dtype=torch.bool, device=dev)[None].expand(B, K, K)], -1)
+            pos = (self.rows + depth - 2)[:, None].expand(B, K)
+            g = d(tok, front_g, pos, self.cache, attn_mask=tree_mask(self.start_col, self.end_col, past, anc))
+            idx, logp, q = children(g)                                        # [B, K, K]
+            cum = (front_score[:, :, None] + logp).reshape(B, K * K)
+            toks.append(d.draft_to_target(idx).reshape(B, K * K))
+            scores.append(cum)
+            parents.append(front[:, :, None].expand(B, K, K).reshape(B, K * K))
+            depths.append(depth)
+            if sampled:
+                qs.append(q)
+            best = cum.topk(K, dim=-1).indices                               # next frontier: best K children
+            row = best // K                                                   # which fed row is the parent
+            front = n_cand + best
+            front_score = cum.gather(1, best)
+            front_g = g.gather(1, row[:, :, None].expand(-1, -1, g.shape[-1]))
+            fed = anc.gather(1, row[:, :, None].expand(-1, -1, anc.shape[-1]))
+            front_anc = fed  # the parent's ancestors and the parent itself
+            n_cand += K * K
+        self.cache.crop(past)  # drop the drafting rows
+
+        toks, scores, parents = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
+        depth_of = [dd for i, dd in enumerate(depths) for _ in range(K if i == 0 else K * K)]
+        q_all = torch.cat([x.reshape(B, -1, x.shape[-1]) for x in qs], 1) if sampled else None
+        trees = []
+        for b in range(B):
+            ok = [i for i in range(n_cand) if depth_of[i] <= max_depth[b]]
+            chosen = set(sorted(ok, key=lambda i: (-scores[b][i], i))[:self.budget])
+            for i in list(chosen):  # ancestors first (only exact log-prob ties could leave one out)
+                p = parents[b][i]
+                while p >= 0 and p not in chosen:
+                    chosen.add(p)
+                    p = parents[b][p]
+            order = sorted(chosen)
+            at = {g: j for j, g in enumerate(order)}
+            trees.append(DraftTree([toks[b][i] for i in order], [at[parents[b][i]] if parents[b][i] >= 0 else -1 for i in order],
+                                   [q_all[b, i] for i in order] if sampled else None))
+        return trees

@@ -1,0 +1,65 @@
+"""Online mode: the target's forward feeds training directly, no capture on disk.
+
+`online_samples` gives, for token-only samples (prepare's shards), the hidden states that the
+offline path would give after capture -> shard -> read: the same capture code (length-sorted
+batches of `batch_tokens`), then the same storage rounding (bfloat16/float16 cast; fp8 encode +
+decode per token and aux layer, float32 out, as `data.shards.read_shard` / `read_hidden_rows`).
+With the same batch composition (capture.batch_tokens) the tensors are bit-identical to the
+offline ones, so training on them gives the same drafter.
+
+The train loop's use (train.online: true): keep the token index and batch plan it builds from
+data/ shards, and replace `index.batch(sample_ids)` by
+    online_batch(target, [token samples of sample_ids], recipe.capture.storage_dtype, recipe.capture.batch_tokens)
+with `target = load_target(...)` loaded once next to the drafter.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..data.shards import Sample, round_to_storage
+from ..train.data import Batch
+from .capture import capture_samples
+from .model import Target
+
+
+def online_samples(target: Target, samples: Sequence[Sample], storage_dtype: str = "bfloat16",
+                   batch_tokens: int = 8192) -> tuple[list[Sample], int]:
+    """Samples with aux_hidden / final_hidden filled as a capture shard would hold them after
+    reading back. Returns (good samples in input order, rejected count: NaN/inf states)."""
+    good, rejected = capture_samples(target, list(samples), batch_tokens, storage_dtype)
+    if storage_dtype == "float8_e4m3":
+        n_aux = len(target.aux_layer_ids)
+        good = [Sample(s.input_ids, s.loss_mask, s.sample_index, round_to_storage(s.aux_hidden, storage_dtype, n_aux),
+                       round_to_storage(s.final_hidden, storage_dtype, 1)) for s in good]
+    return good, rejected
+
+
+def pad_batch(samples: Sequence[Sample]) -> Batch:
+    """Right-padded train Batch (token 0, mask 0, zero states past each end), as CaptureIndex.batch."""
+    L = max(len(s) for s in samples)
+    B = len(samples)
+    first = samples[0]
+    ids = torch.zeros(B, L, dtype=torch.int64)
+    mask = torch.zeros(B, L, dtype=torch.float32)
+    aux = torch.zeros(B, L, first.aux_hidden.shape[-1], dtype=first.aux_hidden.dtype)
+    fin = torch.zeros(B, L, first.final_hidden.shape[-1], dtype=first.final_hidden.dtype)
+    for r, s in enumerate(samples):
+        n = len(s)
+        ids[r, :n], mask[r, :n] = s.input_ids, s.loss_mask.float()
+        aux[r, :n], fin[r, :n] = s.aux_hidden, s.final_hidden
+    return Batch(ids, mask, aux, fin, sum(len(s) for s in samples))
+
+
+def online_batch(target: Target, samples: Sequence[Sample], storage_dtype: str = "bfloat16",
+                 batch_tokens: int = 8192) -> Batch:
+    """One train Batch straight from the target's forward. A sample with NaN/inf states is left
+    out (as capture rejects it); when all are, the error names the first sample."""
+    good, _ = online_samples(target, samples, storage_dtype, batch_tokens)
+    if not good:
+        from ..artifacts import DraftsmithError
+
+        raise DraftsmithError(f"online capture: sample {samples[0].sample_index}: every sample of the batch has NaN/inf "
+                              "hidden states; check the target's dtype (target.dtype float32) and weights")
+    return pad_batch(good)

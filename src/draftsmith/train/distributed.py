@@ -1,0 +1,89 @@
+"""One process group setup and FSDP2 applied from outside the model, for 1..N ranks.
+
+`init_distributed()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/
+PORT via env://); without it the world is one process and no process group is created.
+`parallelize()` shards a module with FSDP2 (`fully_shard`) at world size > 1 and returns it
+unchanged at world size 1: the training loop is the same code either way. See docs/distributed.md.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..target.model import resolve_device
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """(rank, world size, local rank, device). Under torchrun: env:// rendezvous, NCCL on GPU
+    (one GPU per local rank), gloo on CPU. Idempotent: a second call reuses the group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", init_method="env://", device_id=dev)
+        else:
+            dist.init_process_group("gloo", init_method="env://")
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank, world, local_rank, dev)
+
+
+def parallelize(module: torch.nn.Module, info: DistInfo, param_dtype: torch.dtype) -> torch.nn.Module:
+    """Shard `module`'s parameters over all ranks with FSDP2. Parameters stay float32 (master
+    weights, so the optimizer state is float32); each forward all-gathers them in param_dtype
+    and gradients are reduce-scattered in float32. World size 1: returned unchanged."""
+    if info.world_size == 1:
+        return module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    return fully_shard(module, mesh=mesh, mp_policy=mp)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank must call it), or t itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

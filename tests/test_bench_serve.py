@@ -1,0 +1,155 @@
+"""bench-serve against OpenAI-compatible servers started here on 127.0.0.1: a deterministic stub
+(with and without speculative decoding), servers that error, stall and drop connections, and a
+tiny HF model. Checks counts, golden acceptance figures from /metrics, files, ledger, no hangs."""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+
+import pytest
+
+from draftsmith import cli
+from draftsmith.artifacts import DraftsmithError, Ledger
+from draftsmith.serve.bench import BenchServeConfig, percentiles, run
+from draftsmith.serve.metrics import parse_prometheus, spec_window
+from draftsmith.serve.stub import StubServer, hf_generator
+from draftsmith.testing import make_model_dir
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"question {i}: " + "words " * i}) + "\n" for i in range(5)))
+    return str(p)
+
+
+def bench(prompts, tmp_path, **kw) -> dict:
+    """run() in a thread that must finish: a hang fails the test instead of stalling the suite."""
+    kw = {"prompts": prompts, "concurrency": [1, 4], "requests_per_level": 8, "max_tokens": 16, "warmup_requests": 0,
+          "out_dir": str(tmp_path / "out"), "progress": False, **kw}
+    box: dict = {}
+
+    def target():
+        try:
+            box["res"] = run(BenchServeConfig(**kw))
+        except Exception as e:  # re-raised in the test thread
+            box["err"] = e
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "bench-serve hung"
+    if "err" in box:
+        raise box["err"]
+    return box["res"]
+
+
+def test_ab_sweep_with_spec_decode_metrics(prompts, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    with StubServer(step_s=0.001) as plain, StubServer(step_s=0.001, spec_k=3, model_name="m-eagle3") as spec:
+        rc = cli.main(["bench-serve", "--url", plain.url, "--label", "plain", "--url_b", spec.url, "--label_b", "eagle3",
+                       "--prompts", prompts, "--concurrency", "[1,4]", "--requests_per_level", "8", "--max_tokens", "16",
+                       "--api", "completions", "--warmup_requests", "1", "--run_dir", str(run_dir), "--progress", "false"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "A/B (eagle3 / plain)" in printed and "wrote" in printed
+    res = json.loads((run_dir / "bench_serve" / "results.json").read_text())
+    assert (run_dir / "bench_serve" / "bench_serve.png").stat().st_size > 1000
+    assert [e["model"] for e in res["endpoints"]] == ["stub", "m-eagle3"]
+    for label in ("plain", "eagle3"):
+        levels = res["levels"][label]
+        assert [lv["concurrency"] for lv in levels] == [1, 4]
+        for lv in levels:
+            assert lv["ok"] == lv["requests"] == 8 and lv["errors"] == {}
+            assert lv["output_tokens"] == 8 * 16 and lv["tokens_from"] == ["usage"]
+            assert lv["tokens_per_s"] > 0 and lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p99"] >= lv["tpot_ms"]["p50"]
+    assert all(lv["spec_decode"] is None for lv in res["levels"]["plain"])
+    # Golden: every 16-token request takes steps accepting 3,1,2,0,3,1 drafts of k=3.
+    for lv in res["levels"]["eagle3"]:
+        sd = lv["spec_decode"]
+        assert (sd["source"], sd["drafts"], sd["draft_tokens"], sd["accepted_tokens"]) == ("vllm", 48, 144, 80)
+        assert sd["mean_acceptance_length"] == pytest.approx(1 + 10 / 6)
+        assert sd["accept_rate_per_position"] == pytest.approx([5 / 6, 3 / 6, 2 / 6])
+    assert [r["concurrency"] for r in res["ab"]] == [1, 4] and all(r["tokens_per_s_ratio"] > 0 for r in res["ab"])
+    event = Ledger(run_dir).read()[-1]
+    assert event["event"] == "bench_serve" and event["ab"] == res["ab"]
+    assert event["summary"]["eagle3"]["single_stream_tpot_ms"] == res["levels"]["eagle3"][0]["tpot_ms"]["p50"]
+    assert event["summary"]["plain"]["levels"][1]["mean_acceptance_length"] is None
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_errors_stalls_and_drops_are_reported(prompts, tmp_path, api):
+    with StubServer(step_s=0.001, faults=("ok", "error", "stall", "drop")) as s:
+        res = bench(prompts, tmp_path, url=s.url, api=api, concurrency=[1, 2], request_timeout_s=1.0)
+    for lv in res["levels"]["A"]:
+        assert lv["requests"] == 8 and lv["ok"] == 2
+        assert lv["errors"] == {"http_500": 2, "timeout": 2, "dropped": 2}
+        assert "injected server error" in lv["error_examples"]["http_500"]
+        assert lv["output_tokens"] == 2 * 16
+
+
+def test_level_deadline_cancels_and_counts_unsent(prompts, tmp_path):
+    with StubServer(step_s=0.001, faults=("stall",)) as s:
+        res = bench(prompts, tmp_path, url=s.url, concurrency=[2], requests_per_level=6, request_timeout_s=30.0,
+                    level_timeout_s=1.0)
+    (lv,) = res["levels"]["A"]
+    assert lv["ok"] == 0 and lv["requests"] == 6
+    assert lv["errors"] == {"timeout": 2, "not_sent": 4}
+    assert lv["tokens_per_s"] == 0 and lv["tpot_ms"]["p50"] is None
+
+
+def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path):
+    with socket.socket() as sock:  # a port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(DraftsmithError, match=r"cannot list the served models .*--model"):
+        bench(prompts, tmp_path, url=f"http://127.0.0.1:{port}/v1")
+    with StubServer(faults=("error",)) as s, pytest.raises(DraftsmithError, match="every warm-up request failed .*http_500"):
+        bench(prompts, tmp_path, url=s.url, warmup_requests=2)
+    with pytest.raises(DraftsmithError, match="not an http"):
+        bench(prompts, tmp_path, url="127.0.0.1:8000")
+    assert cli.main(["bench-serve", "--no_such_flag", "1"]) == 2
+
+
+def test_tiny_model_server(prompts, tmp_path):
+    model_dir = make_model_dir(tmp_path / "tiny", num_layers=1, hidden_size=32)
+    with StubServer(step_s=0.0, generator=hf_generator(model_dir), model_name="tiny") as s:
+        res = bench(prompts, tmp_path, url=s.url, api="chat", concurrency=[1, 2], requests_per_level=2, max_tokens=6,
+                    metrics_url="none")
+    for lv in res["levels"]["A"]:
+        assert lv["ok"] == 2 and lv["output_tokens"] == 12 and lv["spec_decode"] is None
+
+
+VLLM_METRICS = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="k2"} 100.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="k2"} 100.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="k2"} 1.7e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="k2"} 600.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="k2"} 360.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="k2",position="0"} 160.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="k2",position="1"} 120.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="k2",position="2"} 80.0
+"""
+
+
+def test_prometheus_spec_decode_window():
+    after = parse_prometheus(VLLM_METRICS)
+    half = re.sub(r"_total(\{.*\}) (\S+)", lambda m: f"_total{m.group(1)} {float(m.group(2)) / 2}", VLLM_METRICS)
+    before = parse_prometheus(half)
+    w = spec_window(before, after)
+    assert (w["drafts"], w["draft_tokens"], w["accepted_tokens"]) == (100, 300, 180)
+    assert w["acceptance_rate"] == pytest.approx(0.6) and w["mean_acceptance_length"] == pytest.approx(2.8)
+    assert w["accept_rate_per_position"] == pytest.approx([0.8, 0.6, 0.4])
+    sglang = parse_prometheus('sglang:spec_accept_length{model_name="m",tp_rank="0"} 3.25\n'
+                              'sglang:spec_accept_rate{model_name="m",tp_rank="0"} 0.56\n')
+    assert spec_window(None, sglang) == {"source": "sglang", "mean_acceptance_length": 3.25, "acceptance_rate": 0.56}
+    assert spec_window(None, parse_prometheus("vllm:num_requests_running 3\n")) is None
+
+
+def test_percentiles_match_numpy_linear():
+    v = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0]
+    p = percentiles(v)
+    assert (p["p50"], p["p90"], p["mean"]) == (3.5, 7.5, 25 / 6) and p["p99"] == pytest.approx(9.75)
+    assert percentiles([])["p50"] is None

@@ -1,0 +1,195 @@
+"""regenerate: the target rewrites the assistant turns through an OpenAI-compatible server (a tiny
+one started here on 127.0.0.1) or local generate; failures go to errors.jsonl; reruns resume."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from draftsmith.artifacts import Ledger, load_manifest, write_manifest
+from draftsmith.cli import main, parse_recipe
+from draftsmith.data.regenerate import read_errors
+from draftsmith.data.shards import read_shard
+from draftsmith.pipeline import run_stage
+
+TARGET = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama-sharegpt"  # trained: it ends its answers
+PROMPTS = ["Say hello.", "Hi", "Write a poem.", "FAIL please", "Hello!", "Tell me a joke."]
+MAX_NEW = 32  # the tiny model ends its greetings in time, not its poems and jokes
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class TinyServer:
+    """A minimal OpenAI-compatible chat server over a local model (greedy), on 127.0.0.1.
+    A conversation whose last user turn contains FAIL gets HTTP 500."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.lock = threading.Lock()
+        self.paths: list[str] = []
+        self.chat_requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, obj: dict) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                server.paths.append(self.path)
+                self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+            def do_POST(self):
+                server.paths.append(self.path)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/chat/completions" or body.get("model") != "tiny":
+                    return self._send(404, {"error": "not found"})
+                with server.lock:
+                    server.chat_requests += 1
+                if "FAIL" in body["messages"][-1]["content"]:
+                    return self._send(500, {"error": "injected failure"})
+                text, finish = server.generate(body["messages"], body["max_tokens"])
+                self._send(200, {"object": "chat.completion", "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @torch.inference_mode()
+    def generate(self, messages: list[dict], max_tokens: int) -> tuple[str, str]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with self.lock:
+            out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:]
+        eos = self.tok.eos_token_id
+        ended = bool((out == eos).any())
+        row = out[:int((out == eos).nonzero()[0, 0])] if ended else out
+        return self.tok.decode(row, skip_special_tokens=True), "stop" if ended else "length"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = TinyServer(TARGET)
+    yield s
+    s.close()
+
+
+def _recipe(tmp: Path, **regen) -> list[str]:
+    convs = [[{"from": "human", "value": p}, {"from": "gpt", "value": "An old answer."}] for p in PROMPTS]
+    convs.append([{"from": "human", "value": "Say hello."}, {"from": "gpt", "value": "Hi."},
+                  {"from": "human", "value": "Thank you!"}, {"from": "gpt", "value": "Bye."}])  # two turns
+    (tmp / "convs.json").write_text(json.dumps([{"id": f"c{i}", "conversations": c} for i, c in enumerate(convs)]))
+    recipe = {"run_dir": str(tmp / "run"), "target": {"path": str(TARGET), "device": "cpu", "dtype": "float32"},
+              "prepare": {"source": str(tmp / "convs.json"), "max_length": 256, "samples_per_shard": 3},
+              "regenerate": {"enabled": True, "max_new_tokens": MAX_NEW, "retry_delay_s": 0.0, "max_retries": 1, **regen},
+              "capture": {"batch_tokens": 512, "storage_dtype": "bfloat16"}}
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return [str(tmp / "recipe.yaml")]
+
+
+def _conversations(run_dir: Path) -> dict[int, list[dict]]:
+    out = {}
+    for p in sorted((run_dir / "regen").glob("shard-*.jsonl")):
+        for line in p.read_text().splitlines():
+            rec = json.loads(line)
+            out[rec["sample_index"]] = rec["messages"]
+    return out
+
+
+def test_server_regenerate_then_capture(tmp_path, server):
+    args = _recipe(tmp_path, server_url=server.url)
+    for stage in ("prepare", "regenerate", "capture"):
+        assert main([stage, *args]) == 0
+    run_dir = tmp_path / "run"
+    m = load_manifest(run_dir / "regen")
+    assert m["status"] == "complete" and len(m["shards"]) == 3
+    c = m["counts"]
+    errors = read_errors(run_dir)
+    # nothing is dropped silently: every conversation is in a shard or in errors.jsonl
+    assert c["conversations"] == 7 and c["kept"] + len(errors) == 7 and c["kept"] >= 2
+    by_index = {e["sample_index"]: e["reason"] for e in errors}
+    assert "request failed after 2 attempt(s): HTTP 500" in by_index[3]  # FAIL: retried once, then recorded
+    assert c["failed"] == 1 and c["truncated"] == len(errors) - 1 and c["truncated"] >= 1
+    assert all("truncated" in r for i, r in by_index.items() if i != 3)
+    convs = _conversations(run_dir)
+    assert set(convs) | set(by_index) == set(range(7)) and not set(convs) & set(by_index)
+    for i, msgs in convs.items():  # the answers are the server's, the user turns the source's
+        for msg in msgs:
+            assert msg["content"] not in ("An old answer.", "Hi.", "Bye.")
+        assert server.generate(msgs[:-1], MAX_NEW) == (msgs[1]["content"], "stop")
+    # regen shards hold the regenerated tokens, and capture read them
+    tok_samples = [s for p in sorted((run_dir / "regen").glob("shard-*.safetensors")) for s in read_shard(p, False)]
+    cap = load_manifest(run_dir / "capture")
+    assert cap["source"] == "regenerate" and cap["counts"]["samples"] == len(tok_samples) == c["kept"]
+    cap_samples = [s for p in sorted((run_dir / "capture").glob("shard-*.safetensors")) for s in read_shard(p)]
+    assert [s.input_ids.tolist() for s in cap_samples] == [s.input_ids.tolist() for s in tok_samples]
+    # only the configured server was contacted, only its OpenAI paths
+    assert all(p.startswith("/v1/") for p in server.paths)
+
+    # a rerun after a stop continues where it stopped: drop the last chunk from the manifest
+    before = {p.name: p.read_bytes() for p in (run_dir / "regen").glob("shard-*")}
+    errors_before = (run_dir / "regen" / "errors.jsonl").read_text()
+    m["status"] = "running"
+    m["shards"] = m["shards"][:2]
+    write_manifest(run_dir / "regen", m)
+    (run_dir / "regen" / "shard-00002.safetensors").unlink()
+    n = server.chat_requests
+    assert main(["regenerate", *args]) == 0
+    assert server.chat_requests - n <= 2  # only the last chunk's conversation(s) again
+    assert {p.name: p.read_bytes() for p in (run_dir / "regen").glob("shard-*")} == before
+    assert (run_dir / "regen" / "errors.jsonl").read_text() == errors_before
+
+
+def test_local_generate(tmp_path):
+    args = _recipe(tmp_path, batch_size=4)
+    recipe = parse_recipe(args)[0]
+    run_stage("prepare", recipe)
+    m = run_stage("regenerate", recipe)
+    assert m["backend"] == "local generate"
+    errors = read_errors(tmp_path / "run")
+    assert m["counts"]["kept"] + len(errors) == 7 and m["counts"]["kept"] >= 2
+    convs = _conversations(tmp_path / "run")
+    assert "Hello" in convs[0][1]["content"]  # the trained tiny model answers "Say hello." with a greeting
+
+
+def test_disabled_changes_nothing(tmp_path):
+    args = _recipe(tmp_path, enabled=False)
+    recipe = parse_recipe(args)[0]
+    run_stage("prepare", recipe)
+    assert run_stage("regenerate", recipe) == {}
+    assert not (tmp_path / "run" / "regen").exists()
+    assert [e["stage"] for e in Ledger(tmp_path / "run").read()] == ["prepare", "prepare"]
+
+
+def test_unreachable_server_fails_every_request(tmp_path):
+    args = _recipe(tmp_path, server_url="http://127.0.0.1:9/v1", server_model="x", max_retries=0, timeout_s=2.0)
+    assert main(["prepare", *args]) == 0
+    assert main(["regenerate", *args]) == 2  # nothing kept: a one-line error naming errors.jsonl
+    errors = read_errors(tmp_path / "run")
+    assert len(errors) == 7 and all("request failed after 1 attempt(s)" in e["reason"] for e in errors)

@@ -1,0 +1,65 @@
+"""Drafter rotary embeddings against transformers' LlamaRotaryEmbedding (default, linear,
+llama3, yarn), through the config path the drafter really takes (draft/build.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from draftsmith.artifacts import DraftsmithError
+from draftsmith.config import DraftConfig
+from draftsmith.draft.build import drafter_config
+from draftsmith.draft.model import DraftKVCache, Eagle3Drafter
+from draftsmith.draft.rope import rope_cos_sin
+
+SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+}
+
+
+def target_config(scaling):
+    params = {"rope_type": "default", "rope_theta": 5e5} if scaling is None else {**scaling, "rope_theta": 5e5}
+    return LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=8192, rope_parameters=params)
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_matches_hf_rotary_embedding(kind):
+    t = target_config(SCALINGS[kind])
+    cfg = drafter_config(t, DraftConfig(), 32, [1, 2, 3])
+    assert (cfg.rope_scaling or {}).get("rope_type") == (None if kind == "default" else kind)
+    hf = LlamaRotaryEmbedding(t)
+    pos = torch.tensor([[0, 1, 5, 1000, 3000, 8000]])
+    want_cos, want_sin = hf(torch.zeros(1, dtype=torch.float32), pos)
+    cos, sin = rope_cos_sin(pos, cfg, torch.float32)
+    torch.testing.assert_close(cos, want_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin, rtol=0, atol=1e-6)
+    if kind != "default":  # the scaling really changes the rotation (the bug this file fixes)
+        plain, _ = rope_cos_sin(pos, drafter_config(target_config(None), DraftConfig(), 32, [1, 2, 3]), torch.float32)
+        assert not torch.allclose(plain, cos, atol=1e-3)
+    if kind == "yarn":
+        assert hf.attention_scaling > 1.0  # YaRN scales cos/sin; we must too
+
+
+def test_drafter_forward_uses_scaling():
+    """The drafter's attention output changes with rope_scaling (positions far apart)."""
+    outs = []
+    for kind in ("default", "llama3"):
+        cfg = drafter_config(target_config(SCALINGS[kind]), DraftConfig(), 32, [1, 2, 3])
+        torch.manual_seed(0)
+        m = Eagle3Drafter(cfg).eval()
+        ids = torch.tensor([[3, 4, 5, 6]])
+        h = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1))
+        outs.append(m(ids, h, torch.tensor([[0, 2000, 4000, 6000]]), DraftKVCache()))
+    assert not torch.allclose(outs[0], outs[1], atol=1e-4)
+
+
+def test_dynamic_rope_is_refused():
+    cfg = drafter_config(target_config({"rope_type": "dynamic", "factor": 2.0}), DraftConfig(), 32, [1, 2, 3])
+    with pytest.raises(DraftsmithError, match="dynamic"):
+        rope_cos_sin(torch.arange(4)[None], cfg, torch.float32)

@@ -1,0 +1,157 @@
+"""Speculative rejection sampling keeps the target's distribution: chi-square tests, seeded.
+
+Unit level: `accept_sampled` on synthetic target/draft distributions over 6 tokens (chains with a
+sampled draft, trees of point-mass siblings). End to end: a tiny 8-token Llama target, a batch
+of identical prompts decoded 3 tokens deep by EAGLE-3 chain (sampled drafts), EAGLE-3 tree and
+n-gram, against the exact joint distribution of the target's 3 tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.config import DraftConfig
+from draftsmith.draft.build import drafter_config, init_drafter
+from draftsmith.speculate.eagle3 import Eagle3Proposer
+from draftsmith.speculate.engine import DraftTree, PerSequence, accept_sampled, generate
+from draftsmith.speculate.ngram import NgramProposer
+from draftsmith.target.model import Target
+from draftsmith.testing import tiny_config
+
+
+def chi_square_p(counts: dict, expected: dict, min_expected: float = 5.0) -> float:
+    """p-value of Pearson's chi-square; bins expected below min_expected are pooled."""
+    n = sum(counts.values())
+    stat, df, pool_o, pool_e = 0.0, -1, 0.0, 0.0
+    for key, p in expected.items():
+        e, o = p * n, counts.get(key, 0)
+        if e < min_expected:
+            pool_o, pool_e = pool_o + o, pool_e + e
+        else:
+            stat, df = stat + (o - e) ** 2 / e, df + 1
+    if pool_e > 0:
+        stat, df = stat + (pool_o - pool_e) ** 2 / pool_e, df + 1
+    assert sum(counts.get(k, 0) for k in expected) == n, "a sample fell outside the support"
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_chi_square_p_matches_known_values():
+    # chi-square(df=1) of 3.841 has p = 0.05; df=4 of 9.488 has p = 0.05
+    assert math.isclose(float(torch.special.gammaincc(torch.tensor(0.5, dtype=torch.float64), torch.tensor(3.841 / 2, dtype=torch.float64))), 0.05, abs_tol=1e-3)
+    assert math.isclose(float(torch.special.gammaincc(torch.tensor(2.0, dtype=torch.float64), torch.tensor(9.488 / 2, dtype=torch.float64))), 0.05, abs_tol=1e-3)
+
+
+V = 6
+
+
+def _dists(seed: int, rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(2 * torch.randn(rows, V, generator=g, dtype=torch.float64), -1).float()
+
+
+P0 = _dists(1, 1)[0]      # target law of token 1
+P2 = _dists(2, V)          # P2[x1]: target law of token 2 after token 1 = x1
+Q0, Q1 = _dists(3, 2)      # a drafter's (rough) laws
+
+
+def _rows(tree: DraftTree) -> torch.Tensor:
+    """Target rows for [root, *nodes]: p0 at the root, P2[token] below a depth-1 node, uniform deeper."""
+    depths = tree.depths()
+    return torch.stack([P0] + [P2[t] if d == 1 else torch.full((V,), 1 / V) for t, d in zip(tree.tokens, depths)])
+
+
+def _two_tokens(make_tree, trials: int, seed: int, verify=accept_sampled) -> dict:
+    """Law of the first two emitted tokens; a round that emits one is followed by a plain sample."""
+    g = torch.Generator().manual_seed(seed)
+    counts: dict = {}
+    for _ in range(trials):
+        tree = make_tree(g)
+        path, bonus = verify(tree, _rows(tree), g)
+        emitted = [tree.tokens[i] for i in path] + [bonus]
+        if len(emitted) < 2:
+            emitted.append(int(torch.multinomial(P2[emitted[0]], 1, generator=g)))
+        counts[tuple(emitted[:2])] = counts.get(tuple(emitted[:2]), 0) + 1
+    return counts
+
+
+EXPECTED_TWO = {(a, b): float(P0[a] * P2[a, b]) for a in range(V) for b in range(V)}
+
+
+def sampled_chain(g):  # drafts drawn from q, q handed to the verifier
+    return DraftTree.chain([int(torch.multinomial(Q0, 1, generator=g)), int(torch.multinomial(Q1, 1, generator=g))], [Q0, Q1])
+
+
+def point_mass_tree(g):  # top-3 siblings under the root, two grandchildren: deterministic nodes
+    order = P0.argsort(descending=True).tolist()
+    return DraftTree([order[0], order[1], order[2], 4, 1], [-1, -1, -1, 0, 0])
+
+
+@pytest.mark.parametrize("make_tree", [sampled_chain, point_mass_tree])
+def test_accept_sampled_preserves_the_target_distribution(make_tree):
+    counts = _two_tokens(make_tree, 6000, seed=7)
+    assert chi_square_p(counts, EXPECTED_TWO) > 1e-3
+
+
+def test_chi_square_catches_a_biased_verifier():
+    """The test has teeth: accepting every draft (greedy-style) is detected."""
+    def accept_all(t, p, g):
+        return list(range(len(t))), int(torch.multinomial(p[len(t)], 1, generator=g))
+
+    counts = _two_tokens(sampled_chain, 3000, seed=7, verify=accept_all)
+    assert chi_square_p(counts, EXPECTED_TWO) < 1e-6
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=8, hidden_size=32, num_layers=4)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    target = Target(model, None)
+    target._install_final_hook()
+    cfg = drafter_config(target.config, DraftConfig(), 8, target.aux_layer_ids)
+    drafter = init_drafter(cfg, target.input_embeddings(), torch.zeros(8, dtype=torch.long),
+                           torch.ones(8, dtype=torch.bool), 0, std=0.3).eval()
+    return target, drafter
+
+
+PROMPT = [1, 3, 5, 3, 5, 3]
+
+
+@torch.inference_mode()
+def exact_three(target) -> dict:
+    """P(x1, x2, x3 | PROMPT) from one forward over all 64 two-token continuations."""
+    seqs = torch.tensor([PROMPT + [a, b] for a in range(8) for b in range(8)])
+    p = torch.softmax(target.forward(seqs).logits.double(), -1)
+    P = len(PROMPT)
+    return {(a, b, c): float(p[a * 8 + b, P - 1, a] * p[a * 8 + b, P, b] * p[a * 8 + b, P + 1, c])
+            for a in range(8) for b in range(8) for c in range(8)}
+
+
+@pytest.mark.parametrize("method", ["eagle3_chain", "eagle3_tree", "ngram"])
+def test_sampled_decoding_matches_target_distribution(tiny, method):
+    target, drafter = tiny
+    g = torch.Generator().manual_seed(11)
+    batch, rounds = 250, 8
+    counts: dict = {}
+    for _ in range(rounds):
+        if method == "eagle3_chain":
+            prop = Eagle3Proposer(drafter, topk=1, budget=2, temperature=1.0, generator=g)
+        elif method == "eagle3_tree":
+            prop = Eagle3Proposer(drafter, topk=3, budget=6, temperature=1.0, generator=g)
+        else:
+            prop = PerSequence([NgramProposer() for _ in range(batch)])
+        new, stats = generate(target, prop, [PROMPT] * batch, 3, depth=2, temperature=1.0, generator=g)
+        for n in new:
+            counts[tuple(n)] = counts.get(tuple(n), 0) + 1
+    assert sum(s.accepted_per_round.count(0) < len(s.accepted_per_round) for s in stats) >= 5  # drafts were accepted
+    assert chi_square_p(counts, exact_three(target)) > 1e-3
