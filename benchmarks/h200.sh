@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The H200 benchmark driver, in steps that each fit one GPU job (<= 10 minutes):
+#   STEPS="reference pipeline speculative" bash benchmarks/h200.sh   # job 1: target -> pipeline -> engine bench
+#   STEPS="random capture train" bash benchmarks/h200.sh             # job 2: capture and training throughput
+# reference: trains the DeepSeek-V3-architecture reference target (deterministic, seed 0) into /tmp/ref;
+# random: the same architecture with random weights (speed figures only). Needs build/gpu
+# (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
+# under $OUT, so a failed or overrun step keeps the others' figures.
+set -u
+OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"reference pipeline speculative"}
+export PYTHONUNBUFFERED=1 PYTHONPATH="src:${PYTHONPATH:-}"
+step() { local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "it/s\]" "$OUT/$name.log" | tail -n 4; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+for s in $STEPS; do case $s in
+  reference) step reference 200 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
+               --out /tmp/ref --max_minutes "${REF_MINUTES:-2.5}" --batch_size 32 --lr 1.5e-3 --max_val_tokens 100000
+             cp /tmp/ref/training.json "$OUT/reference_training.json" ;;
+  random)    step random 80 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
+               --out /tmp/ref --max_minutes 0 --max_val_tokens 20000 ;;
+  pipeline)  step pipeline "${PIPELINE_LIMIT:-300}" python3 -m draftsmith.cli run benchmarks/recipes/h200.yaml
+             for f in eval/results.json eval/report.md eval/acceptance.png train/metrics.jsonl; do
+               cp "/tmp/runs/h200/$f" "$OUT/$(echo "$f" | tr / _)" 2>/dev/null; done
+             python3 -m draftsmith.cli status /tmp/runs/h200 --json > "$OUT/status.json" 2>&1
+             python3 -m draftsmith.cli plan --run_dir /tmp/runs/h200 --batch_sizes '[1,4,16]' > "$OUT/plan.txt" 2>&1 ;;
+  speculative) step speculative "${SPEC_LIMIT:-150}" python3 benchmarks/bench_speculative.py --run_dir /tmp/runs/h200 \
+               --benchmark build/gpu/mtbench_question.jsonl --num_prompts 8 --max_new_tokens 128 --batch_sizes 1 4 16 \
+               --out "$OUT/bench_speculative.json" ;;
+  capture)   step capture 110 python3 benchmarks/bench_capture.py --target /tmp/ref --batch 8 --seq-len 1024 \
+               --out "$OUT/bench_capture.json" ;;
+  train)     step train 230 python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" ;;
+  *) echo "unknown step $s" ;;
+esac; done
+ls -la "$OUT"
