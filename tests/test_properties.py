@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from draftsmith.artifacts import DraftsmithError, safe_join
 from draftsmith.data.readers import ReadStats, read_conversations
 from draftsmith.data.shards import Sample, read_shard, write_shard
-from draftsmith.target.capture import length_batches
+from draftsmith.data.shards import length_batches
 from draftsmith.train.data import epoch_plan
 from draftsmith.vocab import build_vocab, draft_ids, load_vocab
 

@@ -69,7 +69,11 @@ class RegenerateConfig:
     server_model: Optional[str] = None
     """Model name sent to the server; unset: the first id of GET {server_url}/models."""
     max_new_tokens: int = 1024
-    """Longest answer; an answer cut here is left out and written to regen/errors.jsonl."""
+    """Longest answer; an answer cut here is left out and written to regen/errors.jsonl
+    (unless keep_truncated)."""
+    keep_truncated: bool = False
+    """Keep answers cut at max_new_tokens (the chat template still closes the turn). For small
+    targets whose greedy answers rarely end, e.g. the quickstart's."""
     temperature: float = 0.0
     """0: greedy."""
     batch_size: int = 16
@@ -155,6 +159,9 @@ class TrainConfig:
     train/best/. 0: only at the end."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
+    head_init: Literal["random", "target"] = "random"
+    """Initial drafter lm_head: random, or the target's lm_head rows of the draft vocab (the
+    drafter then starts by reading its hidden state the way the target reads its own)."""
     online: bool = False
     """Run the target forward inside training on data/ shards instead of reading capture/."""
 

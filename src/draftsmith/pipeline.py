@@ -27,7 +27,7 @@ STAGE_DEPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "prepare": ("draftsmith.data.prepare", ("prepare",), ()),
     "regenerate": ("draftsmith.data.regenerate", ("regenerate",), ("prepare",)),
     "capture": ("draftsmith.target.capture", ("capture",), ("prepare", "regenerate")),
-    "vocab": ("draftsmith.vocab", ("vocab",), ("prepare",)),
+    "vocab": ("draftsmith.vocab", ("vocab",), ("prepare", "regenerate")),
     "train": ("draftsmith.train.loop", ("draft", "train", "seed"), ("capture", "vocab")),
     "evaluate": ("draftsmith.evaluate", ("evaluate",), ("train",)),
     "export": ("draftsmith.export", ("export",), ("train",)),
@@ -37,6 +37,13 @@ STAGE_DEPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 def upstream_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
     """A stage's upstream stages in this recipe: regenerate counts only when enabled."""
     return tuple(u for u in STAGE_DEPS[stage][2] if u != "regenerate" or recipe.regenerate.enabled)
+
+
+def token_stage(recipe: Recipe, run_dir: Path) -> tuple[Path, str]:
+    """(folder, stage) of the token shards that capture and vocab read: regen/ when regenerate
+    is enabled, else data/."""
+    stage = "regenerate" if recipe.regenerate.enabled else "prepare"
+    return stage_dir(run_dir, stage), stage
 
 
 def target_fingerprint(recipe: Recipe) -> str:

@@ -85,11 +85,13 @@ def target_vocab_size(recipe: Recipe) -> int:
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(run_dir)
     t0 = time.time()
-    data_dir = stage_dir(run_dir, "prepare")
-    data_manifest = require_complete(data_dir, "prepare")
+    from .pipeline import token_stage
+
+    data_dir, upstream = token_stage(recipe, run_dir)
+    data_manifest = require_complete(data_dir, upstream)
     out_dir = stage_dir(run_dir, "vocab")
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = new_manifest("vocab", fp, recipe.vocab, {"prepare": data_manifest["fingerprint"]})
+    manifest = new_manifest("vocab", fp, recipe.vocab, {upstream: data_manifest["fingerprint"]})
     write_manifest(out_dir, manifest)
 
     counts_path = data_dir / COUNTS_FILE

@@ -93,7 +93,7 @@ class LocalGenerator:
         answers = []
         for row in gen:
             end = next((j for j, t in enumerate(row) if t in self.eos), None)
-            if end is None:
+            if end is None and not self.cfg.keep_truncated:
                 answers.append(Answer(None, f"truncated: no end of turn within max_new_tokens {self.cfg.max_new_tokens}"))
             else:
                 answers.append(Answer(self.tok.decode(row[:end], skip_special_tokens=True)))
@@ -147,7 +147,7 @@ class ServerGenerator:
                 error = f"{type(e).__name__}: {e}"
             else:
                 content = (choice.get("message") or {}).get("content")
-                if choice.get("finish_reason") == "length":
+                if choice.get("finish_reason") == "length" and not self.cfg.keep_truncated:
                     return Answer(None, f"truncated: finish_reason length at max_new_tokens {self.cfg.max_new_tokens}")
                 if not isinstance(content, str):
                     return Answer(None, f"no message content in the response (finish_reason {choice.get('finish_reason')})")

@@ -151,3 +151,19 @@ def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
 def iter_samples(paths: Sequence[Path], with_hidden: bool = True) -> Iterator[Sample]:
     for p in paths:
         yield from read_shard(p, with_hidden)
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length whose padded size fits batch_tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        new_max = max(cur_max, lengths[i])
+        if cur and new_max * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, new_max = [], lengths[i]
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        batches.append(cur)
+    return batches

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
                          require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe
-from ..data.shards import STORAGE_DTYPES, Sample, read_shard, write_shard
+from ..pipeline import token_stage
+from ..data.shards import STORAGE_DTYPES, Sample, length_batches, read_shard, write_shard
 from .model import Target, load_target
 
 
@@ -35,22 +36,6 @@ def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
     size = torch.empty(0, dtype=STORAGE_DTYPES[storage_dtype]).element_size()
     scales = (num_aux + 1) * 4 if storage_dtype == "float8_e4m3" else 0
     return (num_aux + 1) * hidden_size * size + scales + 5
-
-
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size fits batch_tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        new_max = max(cur_max, lengths[i])
-        if cur and new_max * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, new_max = [], lengths[i]
-        cur.append(i)
-        cur_max = new_max
-    if cur:
-        batches.append(cur)
-    return batches
 
 
 def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
@@ -138,18 +123,10 @@ def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
 
 
-def input_dir(recipe: Recipe, run_dir: Path) -> tuple[Path, str]:
-    """The token shards capture reads: regen/ when regenerate is enabled, else data/."""
-    regen = getattr(recipe, "regenerate", None)
-    if regen is not None and regen.enabled:
-        return stage_dir(run_dir, "regenerate"), "regenerate"
-    return stage_dir(run_dir, "prepare"), "prepare"
-
-
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.capture
     ranks = init_ranks(recipe.target.device)
-    data_dir, upstream = input_dir(recipe, run_dir)
+    data_dir, upstream = token_stage(recipe, run_dir)
     out_dir = stage_dir(run_dir, "capture")
     data_m = require_complete(data_dir, upstream)
     data_shards = verify_shards(data_dir, data_m, check_hash=ranks.rank == 0)

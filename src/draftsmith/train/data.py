@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from ..artifacts import DraftsmithError
-from ..data.shards import read_hidden_rows
+from ..data.shards import length_batches, read_hidden_rows
 
 CHUNK = 1024
 REQUIRED = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
@@ -119,17 +119,7 @@ def epoch_plan(lengths: Sequence[int], batch_tokens: int, seed: int, epoch: int)
     order = torch.randperm(len(lengths), generator=gen).tolist()
     batches: list[list[int]] = []
     for c in range(0, len(order), CHUNK):
-        chunk = sorted(order[c:c + CHUNK], key=lambda j: (-lengths[j], j))
-        cur: list[int] = []
-        longest = 0
-        for j in chunk:
-            grown = max(longest, lengths[j])
-            if cur and grown * (len(cur) + 1) > batch_tokens:
-                batches.append(cur)
-                cur, grown = [], lengths[j]
-            cur.append(j)
-            longest = grown
-        if cur:
-            batches.append(cur)
+        chunk = sorted(order[c:c + CHUNK])  # ascending ids: ties in length_batches break by id
+        batches += [[chunk[i] for i in b] for b in length_batches([lengths[j] for j in chunk], batch_tokens)]
     perm = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in perm]

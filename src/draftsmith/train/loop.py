@@ -205,6 +205,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
     drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed).to(device)
     head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)  # target lm_head rows of the draft vocab
+    if tc.head_init == "target":  # a resumed run overwrites it with its checkpoint below
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
     del embed, lm_head
     # FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit.
     model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention), info, compute_dtype)
