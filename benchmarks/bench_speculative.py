@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tree_topk", type=int, default=8)
     ap.add_argument("--tree_budget", type=int, default=48)
     ap.add_argument("--batch_sizes", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--fast", default="auto", help="decoding path of plain and speculative alike: auto, off, static, graphs, compile")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU check")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     cfg = EvaluateConfig(max_new_tokens=a.max_new_tokens, draft_steps=a.draft_steps, tree_depth=a.tree_depth,
                          tree_topk=a.tree_topk, tree_budget=a.tree_budget, methods=["eagle3_chain", "eagle3_tree", "ngram"])
     target, drafter = ev.load_models(recipe, run_dir / "train" / "drafter")
+    paths = ev.Paths(target, drafter, a.fast)
+    print(f"[bench] decoding path: {paths.mode}", flush=True)
     eos = ev.eos_token_ids(target)
     prompts = [ev.render_prompt(target.tokenizer, p.turns[0], f"{a.benchmark}: {p.id}")
                for p in load_prompts(a.benchmark, a.num_prompts)]
@@ -69,13 +72,13 @@ def main(argv=None) -> int:
 
     # warm-up (allocator, kernels, cuBLAS heuristics) on every method and batch shape
     warm = replace(cfg, max_new_tokens=16)
-    ev.evaluate_prompt(target, drafter, prompts[0], warm, methods, eos, 0, "warm-up")
+    ev.evaluate_prompt(target, drafter, prompts[0], warm, methods, eos, 0, "warm-up", paths=paths)
     for B in a.batch_sizes:
-        ev.evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, warm, methods, eos, 0)
+        ev.evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, warm, methods, eos, 0, paths=paths)
 
     records = []
     for i, ids in enumerate(prompts):
-        rec = ev.evaluate_prompt(target, drafter, ids, cfg, methods, eos, i, f"{a.benchmark}: prompt {i}")
+        rec = ev.evaluate_prompt(target, drafter, ids, cfg, methods, eos, i, f"{a.benchmark}: prompt {i}", paths=paths)
         records.append({"benchmark": a.benchmark, **rec})
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{m} tau {ev._f(r['emitted'] / max(r['rounds'], 1))} x{ev._f(rec['plain_s'] / r['spec_s'])}"
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
     for B in a.batch_sizes:
         for j in range(0, len(prompts) - B + 1, B):
             batch_records.append(ev.evaluate_batch(target, drafter, prompts[j:j + B],
-                                                   [r["plain_tokens"] for r in records[j:j + B]], cfg, methods, eos, j))
+                                                   [r["plain_tokens"] for r in records[j:j + B]], cfg, methods, eos, j,
+                                                   paths=paths))
     summary = ev.summarize(records, batch_records, cfg, methods)
     m = {k: s["overall"] for k, s in summary["methods"].items()}
     best = {B: max((row["methods"][x]["speedup"] or 0) for x in ("eagle3_chain", "eagle3_tree"))
@@ -99,7 +103,9 @@ def main(argv=None) -> int:
         "tokens_per_s_plain_bs1": summary["plain"]["tokens_per_s"],
         "batches": summary["batches"],
         "lossless": {k: s.get("lossless") for k, s in summary["methods"].items()},
-        "step_costs": ev.measure_step_costs(target, drafter, prompts[0] + records[0]["plain_tokens"]),
+        "path": paths.mode,
+        "roofline_bs1": ev.decode_roofline(target, summary["plain"]["tokens_per_s"]),
+        "step_costs": ev.measure_step_costs(target, drafter, prompts[0] + records[0]["plain_tokens"], paths=paths),
         "config": {**vars(a), "device_name": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
                    "dtype_resolved": str(target.dtype), "torch": torch.__version__},
         "wall_s": time.perf_counter() - t0,

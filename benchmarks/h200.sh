@@ -2,6 +2,7 @@
 # The H200 benchmark driver, in steps that each fit one GPU job (<= 10 minutes):
 #   STEPS="reference pipeline speculative" bash benchmarks/h200.sh   # job 1: target -> pipeline -> engine bench
 #   STEPS="random capture train" bash benchmarks/h200.sh             # job 2: capture and training throughput
+#   STEPS="fasttests random fast" bash benchmarks/h200.sh            # job 3: fast-path tests on the GPU, plain decode vs bandwidth
 # reference: trains the DeepSeek-V3-architecture reference target (deterministic, seed 0) into /tmp/ref;
 # random: the same architecture with random weights (speed figures only). Needs build/gpu
 # (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
@@ -29,6 +30,8 @@ for s in $STEPS; do case $s in
   speculative) step speculative "${SPEC_LIMIT:-150}" python3 benchmarks/bench_speculative.py --run_dir /tmp/runs/h200 \
                --benchmark build/gpu/mtbench_question.jsonl --num_prompts 8 --max_new_tokens 128 --batch_sizes 1 4 16 \
                --out "$OUT/bench_speculative.json" ;;
+  fasttests) step fasttests 240 python3 -m pytest -q tests/test_fast.py -p no:cacheprovider ;;
+  fast)      step fast "${FAST_LIMIT:-330}" python3 benchmarks/bench_fast.py --moe_target /tmp/ref --out "$OUT/bench_fast.json" ;;
   capture)   step capture 110 python3 benchmarks/bench_capture.py --target /tmp/ref --batch 8 --seq-len 1024 \
                --out "$OUT/bench_capture.json" ;;
   train)     step train 230 python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" ;;

@@ -104,8 +104,8 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
 def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):
     real = evaluate.generate
 
-    def broken(target, proposer, prompts, n, *a):
-        new, st = real(target, proposer, prompts, n, *a)
+    def broken(target, proposer, prompts, n, *a, **kw):
+        new, st = real(target, proposer, prompts, n, *a, **kw)
         if isinstance(proposer, evaluate.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
             new[0][5] = (new[0][5] + 1) % target.vocab_size
         return new, st
@@ -115,3 +115,25 @@ def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):
     with pytest.raises(DraftsmithError, match=r"prompt q0: eagle3_tree: speculative output differs .* at new token 5"):
         pipeline.run_stage("evaluate", recipe)
     assert Ledger(recipe.run_dir).read()[-1]["event"] == "stage_failed"
+
+
+def test_evaluate_on_static_caches(recipe):
+    """evaluate.fast: static (the fast path's caches and bookkeeping, no CUDA graphs) gives the same
+    outputs as eager, and the report states the path and plain decoding's bandwidth fraction."""
+    recipe.evaluate.fast = "static"
+    m = pipeline.run_stage("evaluate", recipe)
+    met = m["metrics"]
+    assert met["path"] == "static" and m["step_costs"]["path"] == "static"
+    res = read_json(recipe.run_dir + "/eval/results.json")
+    assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())
+    assert all(r["identical"] == 2 for b in res["batches"] for r in b["methods"].values())
+    roof = res["summary"]["roofline"]
+    assert roof["weight_bytes_per_step"] > 0 and 0 < met["plain_decode_bw_fraction"] == roof["fraction_of_measured_bw"]
+    report = open(recipe.run_dir + "/eval/report.md").read()
+    assert "static KV cache, no CUDA graphs" in report and "of the memory-bandwidth limit" in report
+
+
+def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):
+    recipe.evaluate.fast = "graphs"
+    with pytest.raises(DraftsmithError, match="evaluate.fast 'graphs' needs a CUDA device"):
+        pipeline.run_stage("evaluate", recipe)

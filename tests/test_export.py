@@ -13,7 +13,6 @@ from draftsmith.config import DraftConfig, ExportConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import DraftKVCache, save_drafter
 from draftsmith.export.sglang import export_sglang, load_sglang, required_shapes
-from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
 EXPECTED_KEYS = {
@@ -23,24 +22,8 @@ EXPECTED_KEYS = {
     "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A target with 8 layers (aux [1, 3, 4]) and a drafter with a 100-token draft vocab."""
-    root = tmp_path_factory.mktemp("export")
-    model_dir = make_model_dir(root / "target", num_layers=8)
-    target = load_target(model_dir, device="cpu", dtype="float32")
-    V, Vd = target.vocab_size, 100
-    chosen = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:Vd]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[chosen] = True
-    cfg = drafter_config(target.config, DraftConfig(), Vd, target.aux_layer_ids)
-    drafter = init_drafter(cfg, target.input_embeddings(), chosen - torch.arange(Vd), t2d, seed=1, std=0.2).eval()
-    save_drafter(drafter, root / "drafter")
-    return model_dir, target, drafter, root
-
-
-def test_keys_shapes_config(setup, tmp_path):
-    model_dir, target, drafter, root = setup
+def test_keys_shapes_config(tiny_drafter, tmp_path):
+    root, model_dir, target, drafter = tiny_drafter
     files = export_sglang(root / "drafter", model_dir, tmp_path / "sglang", dtype="bfloat16")
     assert sorted(f["file"] for f in files) == ["config.json", "model.safetensors"]
     state = load_file(str(tmp_path / "sglang" / "model.safetensors"))
@@ -73,8 +56,8 @@ def test_keys_shapes_config(setup, tmp_path):
 
 
 @torch.inference_mode()
-def test_reload_gives_identical_outputs(setup, tmp_path):
-    model_dir, target, drafter, root = setup
+def test_reload_gives_identical_outputs(tiny_drafter, tmp_path):
+    root, model_dir, target, drafter = tiny_drafter
     export_sglang(root / "drafter", model_dir, tmp_path / "sglang", dtype="float32")
     back = load_sglang(tmp_path / "sglang", embed_tokens=target.input_embeddings())
     ids = torch.tensor([[1, 7, 42, 99, 5, 3]])
@@ -88,8 +71,8 @@ def test_reload_gives_identical_outputs(setup, tmp_path):
         assert torch.equal(a, b)
 
 
-def test_refusals_write_nothing(setup, tmp_path):
-    model_dir, target, drafter, root = setup
+def test_refusals_write_nothing(tiny_drafter, tmp_path):
+    root, model_dir, target, drafter = tiny_drafter
     other = make_model_dir(tmp_path / "other", num_layers=8, hidden_size=32)
     with pytest.raises(DraftsmithError, match="not trained for this target"):
         export_sglang(root / "drafter", other, tmp_path / "out")
@@ -108,8 +91,8 @@ def test_refusals_write_nothing(setup, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_stage(setup, tmp_path):
-    model_dir, target, drafter, root = setup
+def test_export_stage(tiny_drafter, tmp_path):
+    root, model_dir, target, drafter = tiny_drafter
     run_dir = tmp_path / "run"
     save_drafter(drafter, run_dir / "train" / "drafter")
     finish_manifest(run_dir / "train", new_manifest("train", "train-fp", {}, {}))

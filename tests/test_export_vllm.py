@@ -39,23 +39,8 @@ def test_layer_id_conventions_kimi_k2():
     assert [re.sub(r"[`\s]", "", c) for c in row.strip("|").split("|")][1:4] == ["[1,29,57]", "[2,30,58]", "[1,29,57]"]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm")
-    model_dir = make_model_dir(root / "target", num_layers=8)
-    target = load_target(model_dir, device="cpu", dtype="float32")
-    V, Vd = target.vocab_size, 100
-    chosen = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:Vd]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[chosen] = True
-    cfg = drafter_config(target.config, DraftConfig(), Vd, target.aux_layer_ids)
-    drafter = init_drafter(cfg, target.input_embeddings(), chosen - torch.arange(Vd), t2d, seed=1)
-    save_drafter(drafter, root / "drafter")
-    return model_dir, drafter, root
-
-
-def test_keys_and_config(setup, tmp_path):
-    model_dir, drafter, root = setup
+def test_keys_and_config(tiny_drafter, tmp_path):
+    root, model_dir, _, drafter = tiny_drafter
     files = export_vllm(root / "drafter", model_dir, tmp_path / "vllm", verifier="org/tiny-llama", num_speculative_tokens=5)
     assert [f["file"] for f in files] == ["config.json", "model.safetensors"]
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
@@ -83,8 +68,8 @@ def test_keys_and_config(setup, tmp_path):
     assert layer["rope_theta"] == t["rope_parameters"]["rope_theta"] and layer["rope_scaling"] is None
 
 
-def test_refusals(setup, tmp_path):
-    model_dir, drafter, root = setup
+def test_refusals(tiny_drafter, tmp_path):
+    root, model_dir, _, drafter = tiny_drafter
     other = make_model_dir(tmp_path / "other", num_layers=8, hidden_size=32)
     with pytest.raises(DraftsmithError, match="not trained for this target"):
         export_vllm(root / "drafter", other, tmp_path / "out")

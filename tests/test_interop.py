@@ -14,38 +14,15 @@ from safetensors.torch import load_file
 
 from draftsmith import pipeline
 from draftsmith.artifacts import DraftsmithError, sha256_file
-from draftsmith.config import DraftConfig, ExportConfig, Recipe, TargetConfig
-from draftsmith.draft.build import drafter_config, init_drafter
-from draftsmith.draft.model import load_drafter, save_drafter
+from draftsmith.config import ExportConfig, Recipe, TargetConfig
+from draftsmith.draft.model import load_drafter
 from draftsmith.export.importer import import_drafter
 from draftsmith.export.sglang import export_sglang
 from draftsmith.export.vllm import export_vllm
-from draftsmith.target.model import load_target
-from draftsmith.testing import make_model_dir
+from draftsmith.testing import make_tiny_drafter
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 256}
-
-
-def _make(root, rope_parameters=None):
-    """A target with 8 layers (internal aux [1, 3, 4]) and a trained-looking drafter (Vd = 100)."""
-    kw = {"rope_parameters": rope_parameters} if rope_parameters else {}
-    model_dir = make_model_dir(root / "target", num_layers=8, **kw)
-    target = load_target(model_dir, device="cpu", dtype="float32")
-    V, Vd = target.vocab_size, 100
-    chosen = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:Vd]).values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[chosen] = True
-    cfg = drafter_config(target.config, DraftConfig(), Vd, target.aux_layer_ids)
-    drafter = init_drafter(cfg, target.input_embeddings(), chosen - torch.arange(Vd), t2d, seed=1, std=0.2).eval()
-    save_drafter(drafter, root / "drafter")
-    return model_dir, drafter
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("interop")
-    return (root, *_make(root))
 
 
 def load_with_speculators(folder):
@@ -80,11 +57,10 @@ def ttt_logits_speculators(model, aux, ids, pos, steps):
 
 
 @pytest.mark.parametrize("rope", ["default", "llama3"])
-def test_speculators_loads_our_export_and_matches_forward(setup, tmp_path, rope):
-    root, model_dir, drafter = setup
+def test_speculators_loads_our_export_and_matches_forward(tiny_drafter, tmp_path, rope):
+    root, model_dir, _, drafter = tiny_drafter
     if rope == "llama3":
-        model_dir, drafter = _make(tmp_path, LLAMA3)
-        root = tmp_path
+        root, model_dir, _, drafter = make_tiny_drafter(tmp_path, rope_parameters=LLAMA3)
         assert drafter.cfg.rope_scaling["rope_type"] == "llama3"
     export_vllm(root / "drafter", model_dir, tmp_path / "vllm", dtype="float32", with_embeddings=True)
     theirs = load_with_speculators(tmp_path / "vllm")
@@ -106,9 +82,9 @@ def test_speculators_loads_our_export_and_matches_forward(setup, tmp_path, rope)
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
-def test_roundtrip_is_bit_identical(setup, tmp_path, fmt):
+def test_roundtrip_is_bit_identical(tiny_drafter, tmp_path, fmt):
     """export -> import -> export gives the same files byte for byte (bf16, no embeddings)."""
-    root, model_dir, drafter = setup
+    root, model_dir, _, drafter = tiny_drafter
     export = export_sglang if fmt == "sglang" else export_vllm
     first = export(root / "drafter", model_dir, tmp_path / "a", dtype="bfloat16")
     info = import_drafter(tmp_path / "a", model_dir, tmp_path / "imported")
@@ -120,10 +96,10 @@ def test_roundtrip_is_bit_identical(setup, tmp_path, fmt):
     assert first == second  # names, sha256 and sizes of config.json and model.safetensors
 
 
-def test_import_checkpoint_written_by_speculators(setup, tmp_path):
+def test_import_checkpoint_written_by_speculators(tiny_drafter, tmp_path):
     """A checkpoint saved by speculators itself (its config writer, its key names) imports, and
     re-exports to the same tensors."""
-    root, model_dir, drafter = setup
+    root, model_dir, _, drafter = tiny_drafter
     export_vllm(root / "drafter", model_dir, tmp_path / "ours", dtype="float32", with_embeddings=True)
     load_with_speculators(tmp_path / "ours").save_pretrained(str(tmp_path / "theirs"))
     written = json.loads((tmp_path / "theirs" / "config.json").read_text())
@@ -141,11 +117,11 @@ def test_import_checkpoint_written_by_speculators(setup, tmp_path):
         assert out[k].dtype == src[k].dtype and torch.equal(out[k], src[k]), k
 
 
-def test_import_into_run_then_export_stage(setup, tmp_path):
+def test_import_into_run_then_export_stage(tiny_drafter, tmp_path):
     """`import-drafter --run-dir`: the export stage (and evaluate) then run on the imported drafter."""
     from draftsmith.cli import main
 
-    root, model_dir, drafter = setup
+    root, model_dir, _, drafter = tiny_drafter
     export_sglang(root / "drafter", model_dir, tmp_path / "src", dtype="float32")
     run_dir = tmp_path / "run"
     assert main(["import-drafter", str(tmp_path / "src"), "--target", str(model_dir), "--run-dir", str(run_dir)]) == 0
@@ -156,8 +132,8 @@ def test_import_into_run_then_export_stage(setup, tmp_path):
     assert sha256_file(run_dir / "export" / "sglang" / "model.safetensors") == sha256_file(tmp_path / "src" / "model.safetensors")
 
 
-def test_import_refusals(setup, tmp_path):
-    root, model_dir, drafter = setup
+def test_import_refusals(tiny_drafter, tmp_path):
+    root, model_dir, _, drafter = tiny_drafter
     export_vllm(root / "drafter", model_dir, tmp_path / "v", dtype="float32")
     cfg_path = tmp_path / "v" / "config.json"
     c = json.loads(cfg_path.read_text())

@@ -71,12 +71,35 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str, str] | None = None) -> str:
-    """Save tensors atomically as safetensors; returns the file's sha256."""
+    """Save tensors atomically as safetensors; returns the file's sha256.
+
+    The bytes depend only on the tensors and the metadata, not on either dict's insertion
+    order: keys are sorted before saving, and the header is rewritten canonically, because
+    safetensors emits `__metadata__` in Rust hash order, which changes from call to call."""
     from safetensors.torch import save
 
-    data = save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata)
+    data = save({k: tensors[k].contiguous() for k in sorted(tensors)},
+                metadata=None if metadata is None else {k: metadata[k] for k in sorted(metadata)})
+    data = _canonical_safetensors_header(data)
     atomic_write_bytes(path, data)
     return hashlib.sha256(data).hexdigest()
+
+
+def _canonical_safetensors_header(data: bytes) -> bytes:
+    """`data` (a safetensors file) with its JSON header in one canonical form: `__metadata__`
+    first with sorted keys, then the tensors in the order of their data offsets, compact JSON,
+    padded with spaces to 8 bytes as safetensors pads it. The tensor bytes are unchanged."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    out: dict[str, Any] = {}
+    if "__metadata__" in header:
+        md = header.pop("__metadata__")
+        out["__metadata__"] = {k: md[k] for k in sorted(md)} if isinstance(md, dict) else md
+    for name in sorted(header, key=lambda k: (header[k]["data_offsets"], k)):
+        out[name] = header[name]
+    blob = json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob + data[8 + n:]
 
 
 def read_json(path: str | Path) -> Any:
@@ -135,6 +158,25 @@ def fingerprint_path(path: str | Path) -> str:
 
 
 # ----------------------------------------------------------------------------- environment
+
+
+def process_rank() -> int:
+    """This process's global rank: torch.distributed's when a process group is up, else
+    torchrun's RANK variable, else 0. torch.distributed is not imported for this: a process
+    that never imported it has no process group."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def is_main_rank() -> bool:
+    """True on rank 0 (and in a single process). Under torchrun only rank 0 writes the run
+    directory's bookkeeping (stage manifests, the ledger); the other ranks only read it."""
+    return process_rank() == 0
 
 
 def package_versions() -> dict[str, str]:
@@ -212,10 +254,14 @@ def new_manifest(stage: str, fp: str, config: Any, inputs: dict[str, str]) -> di
 
 
 def write_manifest(directory: str | Path, manifest: dict) -> None:
+    """Write a stage's manifest; a no-op on ranks other than 0 (see `is_main_rank`)."""
+    if not is_main_rank():
+        return
     atomic_write_json(Path(directory) / MANIFEST, manifest)
 
 
 def finish_manifest(directory: str | Path, manifest: dict) -> dict:
+    """Mark `manifest` complete and write it (rank 0 only); returns it on every rank."""
     manifest["status"] = "complete"
     manifest["finished_at"] = time.time()
     manifest["timings"].setdefault("wall_s", round(manifest["finished_at"] - manifest["started_at"], 3))
@@ -257,12 +303,16 @@ def safe_join(root: str | Path, rel: str) -> Path:
 
 
 class Ledger:
-    """Append-only JSONL log of what happened in a run: stage events, measurements, decisions."""
+    """Append-only JSONL log of what happened in a run: stage events, measurements, decisions.
+
+    Only rank 0 appends (one line per event under torchrun, not one per rank); every rank reads."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LEDGER
 
     def append(self, event: str, **fields: Any) -> None:
+        if not is_main_rank():
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rec = {"time": round(time.time(), 3), "event": event, **to_jsonable(fields)}
         try:

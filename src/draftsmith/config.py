@@ -28,6 +28,10 @@ class TargetConfig:
     device_map: Optional[str] = None
     """Spread a target too large for one GPU over the visible GPUs (e.g. auto, balanced;
     needs accelerate). Unset: the whole target on `device`."""
+    experts_implementation: Optional[str] = None
+    """MoE targets: transformers' expert kernel (eager, batched_mm, grouped_mm, ...). Unset:
+    transformers' default (grouped_mm where it can run, else eager). Capture, regeneration and
+    evaluation all use it; evaluate's CUDA graphs switch an eager one to a graph-safe one."""
 
 
 @dataclass
@@ -200,6 +204,11 @@ class EvaluateConfig:
     """Batch sizes to measure; 1 gives the per-prompt report, larger ones speedup at that batch size."""
     step_costs: bool = True
     """Measure the target's forward time over 1..64 tokens and the drafter's step time (for `plan`)."""
+    fast: Literal["auto", "off", "static", "graphs", "compile"] = "auto"
+    """Decoding path, the same for plain decoding (the baseline) and every method: off = eager
+    transformers with its dynamic KV cache; static = static KV caches; graphs = static caches and
+    CUDA graphs; compile = graphs around a torch.compile'd target forward. auto = graphs on a GPU,
+    off on a CPU."""
 
 
 @dataclass

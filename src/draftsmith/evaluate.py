@@ -28,6 +28,7 @@ from .artifacts import (DraftsmithError, atomic_write_bytes, atomic_write_json, 
 from .config import Recipe
 from .speculate.eagle3 import Eagle3Proposer
 from .speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
+from .speculate.fast import FastDraft, FastTarget, resolve_mode
 from .speculate.ngram import NgramProposer
 
 PARTIAL = "partial.jsonl"
@@ -54,7 +55,8 @@ def load_models(recipe: Recipe, drafter_dir: Path):
         raise DraftsmithError(f"{cfg_path}: drafter was trained on aux layers {dcfg.aux_layer_ids} but "
                               f"target.aux_layer_ids is {t.aux_layer_ids}; use the drafter's ids or retrain")
     target = load_target(t.path, device=t.device, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
-                         aux_layer_ids=aux)
+                         aux_layer_ids=aux,
+                         experts_implementation=t.experts_implementation)
     want = {"vocab_size": target.vocab_size, "target_hidden_size": target.hidden_size,
             "num_aux_layers": len(target.aux_layer_ids)}
     bad = {k: (getattr(dcfg, k), v) for k, v in want.items() if getattr(dcfg, k) != v}
@@ -113,12 +115,36 @@ def method_depth(cfg, method: str) -> int:
     return cfg.tree_depth if method == "eagle3_tree" else cfg.draft_steps
 
 
-def make_proposer(method: str, drafter, cfg, batch: int, generator=None):
+class Paths:
+    """The decoding path every measurement of one evaluate run shares (evaluate.fast): per batch
+    size a FastTarget and a FastDraft (static caches, graphs captured once and reused), or
+    neither (eager)."""
+
+    def __init__(self, target=None, drafter=None, mode: str = "off"):
+        self.target_model, self.drafter = target, drafter
+        self.mode = resolve_mode(mode, target.device) if target is not None else "off"
+        self._by_batch: dict[int, tuple] = {}
+
+    def get(self, batch: int) -> tuple[Optional[FastTarget], Optional[FastDraft]]:
+        if self.mode == "off":
+            return None, None
+        if batch not in self._by_batch:
+            ft = FastTarget(self.target_model, self.mode, batch_size=batch)
+            self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs))
+        return self._by_batch[batch]
+
+
+EAGER = Paths()
+
+
+def make_proposer(method: str, drafter, cfg, batch: int, generator=None, paths: Paths = EAGER):
+    fast = paths.get(batch)[1]
     if method == "eagle3_chain":
-        return Eagle3Proposer(drafter, topk=1, budget=cfg.draft_steps, temperature=cfg.temperature, generator=generator)
+        return Eagle3Proposer(drafter, topk=1, budget=cfg.draft_steps, temperature=cfg.temperature, generator=generator,
+                              fast=fast)
     if method == "eagle3_tree":
         return Eagle3Proposer(drafter, topk=cfg.tree_topk, budget=cfg.tree_budget, temperature=cfg.temperature,
-                              generator=generator)
+                              generator=generator, fast=fast)
     if method == "ngram":
         return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
     raise ValueError(method)
@@ -130,29 +156,39 @@ def _generator(target, cfg, salt: int) -> Optional[torch.Generator]:
     return torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + salt)
 
 
-def _timed(target, fn):
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
+def _timed(where, fn):
+    """(fn(), seconds), the device synchronised before and after; `where` is a device or has one."""
+    device = getattr(where, "device", where)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     r = fn()
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return r, time.perf_counter() - t0
 
 
-def run_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None) -> tuple[list[list[int]], float]:
-    n, T = cfg.max_new_tokens, cfg.temperature
+def run_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None, paths: Paths = EAGER,
+              max_new_tokens=None) -> tuple[list[list[int]], float]:
+    """Plain decoding, the baseline: on the fast path its own graphed loop (the token fed back on
+    the GPU), else one eager forward per token."""
+    n, T = max_new_tokens or cfg.max_new_tokens, cfg.temperature
+    fast = paths.get(len(prompts))[0]
+    if fast is not None:
+        return _timed(target, lambda: fast.plain(prompts, n, eos_ids, T))
     if len(prompts) == 1:
         out, s = _timed(target, lambda: plain_generate(target, prompts[0], n, eos_ids, T, generator))
         return [out], s
     return _timed(target, lambda: plain_generate_batch(target, prompts, n, eos_ids, T, generator))
 
 
-def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_ids, generator=None, max_new_tokens=None):
+def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_ids, generator=None, max_new_tokens=None,
+               paths: Paths = EAGER):
     """(new tokens per prompt, SpecStats per prompt, wall seconds) of one speculative method."""
-    prop = make_proposer(method, drafter, cfg, len(prompts), generator)
+    prop = make_proposer(method, drafter, cfg, len(prompts), generator, paths)
     (new, stats), s = _timed(target, lambda: generate(target, prop, prompts, max_new_tokens or cfg.max_new_tokens,
-                                                      method_depth(cfg, method), eos_ids, cfg.temperature, generator))
+                                                      method_depth(cfg, method), eos_ids, cfg.temperature, generator,
+                                                      fast=paths.get(len(prompts))[0]))
     return new, stats, s
 
 
@@ -194,13 +230,14 @@ def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, met
 
 
 def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[str], eos_ids: list[int],
-                    salt: int, where: str) -> dict:
+                    salt: int, where: str, paths: Paths = EAGER) -> dict:
     """Plain and every method on one prompt, batch 1."""
-    [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, _generator(target, cfg, salt))
+    [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, _generator(target, cfg, salt), paths)
     rec = {"prompt_tokens": len(prompt_ids), "plain_new_tokens": len(plain), "plain_s": plain_s, "plain_tokens": plain,
            "methods": {}}
     for m in methods:
-        [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, _generator(target, cfg, salt))
+        [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, _generator(target, cfg, salt),
+                                          paths=paths)
         r = {"new_tokens": len(spec), "spec_s": spec_s, "target_s": st.target_s, "draft_s": st.draft_s,
              "rounds": st.rounds, "emitted": sum(st.emitted_per_round),
              "drafted_per_round": st.drafted_per_round, "accepted_per_round": st.accepted_per_round,
@@ -212,12 +249,12 @@ def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[s
 
 
 def evaluate_batch(target, drafter, prompts: list[list[int]], references: list[list[int]], cfg, methods, eos_ids,
-                   salt: int) -> dict:
+                   salt: int, paths: Paths = EAGER) -> dict:
     """Plain and every method on one batch of prompts; outputs compared with the batch-1 plain ones."""
-    plain, plain_s = run_plain(target, prompts, cfg, eos_ids, _generator(target, cfg, salt))
+    plain, plain_s = run_plain(target, prompts, cfg, eos_ids, _generator(target, cfg, salt), paths)
     rec = {"batch_size": len(prompts), "plain_s": plain_s, "plain_new_tokens": sum(map(len, plain)), "methods": {}}
     for m in methods:
-        new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, _generator(target, cfg, salt))
+        new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, _generator(target, cfg, salt), paths=paths)
         rec["methods"][m] = {"spec_s": s, "new_tokens": sum(map(len, new)), "rounds": sum(st.rounds for st in stats),
                              "emitted": sum(sum(st.emitted_per_round) for st in stats),
                              "identical": sum(a == b for a, b in zip(new, references))}
@@ -228,46 +265,105 @@ def evaluate_batch(target, drafter, prompts: list[list[int]], references: list[l
 
 
 @torch.inference_mode()
-def measure_step_costs(target, drafter, context: list[int], repeats: int = 3) -> dict:
-    """Target forward time over n = 1..64 new tokens after `context` (cache cropped back each time),
-    and the drafter's step time over 1 row (chain) and `topk`-wide rows; medians, in ms."""
-    from .speculate.engine import crop_cache
+def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, paths: Paths = EAGER) -> dict:
+    """Target forward time over n = 1..64 new tokens after `context` and the drafter's step time
+    over 1 row (chain) and 4 rows (a tree's width), on the decoding path the run measured (fast or
+    eager); medians, in ms. Each step's rows are dropped again (cache cropped / past unchanged)."""
+    from .speculate.engine import EagerVerifier
 
-    dev = target.device
-    out = target.forward(torch.tensor([context], device=dev), use_cache=True)
-    cache, C = out.past_key_values, len(context)
+    dev, C = target.device, len(context)
+    fast_target, fast_draft = paths.get(1)
+    runner = fast_target or EagerVerifier(target)
+    ids = torch.tensor([context], device=dev)
+    out = runner.prefill(ids, torch.arange(C, device=dev)[None], torch.zeros(1, dtype=torch.long, device=dev),
+                         max_new_tokens=0, max_rows=max(STEP_COST_TOKENS) + 1)
+    start, end = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), C, device=dev)
 
     def median_ms(fn) -> float:
-        fn()  # warm-up
+        fn()  # warm-up (and graph capture)
         ts = sorted(_timed(target, fn)[1] for _ in range(repeats))
         return 1000 * ts[len(ts) // 2]
 
     forward_ms = {}
     for n in STEP_COST_TOKENS:
-        ids = torch.tensor([context[-1:] * n], device=dev)
+        x = torch.tensor([context[-1:] * n], device=dev)
         pos = torch.arange(C, C + n, device=dev)[None]
+        anc = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
 
         def step():
-            target.forward(ids, past_key_values=cache, position_ids=pos, use_cache=True)
-            crop_cache(cache, C)
+            runner.verify(x, pos, start, end, anc, n)
+            runner.keep([], [], [], C)
         forward_ms[str(n)] = median_ms(step)
 
-    prop = Eagle3Proposer(drafter, topk=1, budget=1)
+    prop = Eagle3Proposer(drafter, topk=1, budget=1, fast=fast_draft)
     prop.start([context], [out])
-    d = drafter
     row = {}
     for width in (1, 4):
-        ids = torch.tensor([context[-1:] * width], device=dev)
+        x = torch.tensor([context[-1:] * width], device=dev)
         g = prop.g_last[:, None].expand(1, width, -1).contiguous()
         pos = prop.rows[:, None].expand(1, width)
+        anc = torch.eye(width, dtype=torch.bool, device=dev)[None]
         L = prop.cache.length
 
         def dstep():
-            d.logits(d(ids, g, pos, prop.cache))
+            g2, logits = prop._step(x, g, pos, anc, L)
+            if logits is None:
+                drafter.logits(g2)
             prop.cache.crop(L)
         row[width] = median_ms(dstep)
     return {"context_tokens": C, "batch_size": 1, "device": str(dev), "dtype": str(target.dtype).replace("torch.", ""),
-            "target_forward_ms": forward_ms, "draft_step_ms": row[1], "draft_step_ms_4_rows": row[4]}
+            "path": paths.mode, "target_forward_ms": forward_ms, "draft_step_ms": row[1], "draft_step_ms_4_rows": row[4]}
+
+
+def measure_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth by a large copy (bytes read + written per second), GB/s."""
+    n = nbytes // 2 if device.type == "cuda" else nbytes // 16
+    a = torch.empty(n, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    ts = [_timed(device, lambda: b.copy_(a))[1] for _ in range(5)]
+    return 2 * a.numel() * a.element_size() / min(ts) / 1e9
+
+
+def nominal_bandwidth_gbps(device: torch.device) -> tuple[Optional[float], Optional[str]]:
+    """The data-sheet bandwidth of a known GPU (plan.HARDWARE), or (None, None)."""
+    from .plan import HARDWARE
+
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device).lower()
+    for key, hw in HARDWARE.items():
+        if key.split("-")[0] in name:
+            return hw.mem_bw_gbps, key
+    return None, None
+
+
+def decode_roofline(target, tokens_per_s: Optional[float], batch: int = 1) -> dict:
+    """Plain decoding's speed as a fraction of the memory-bandwidth limit: weight bytes one
+    forward over `batch` tokens reads (plan.target_spec: every dense weight, the lm_head, the
+    routed experts those tokens touch; not the input embedding, not the KV cache) times forward
+    steps per second, over the measured copy bandwidth and the data-sheet one."""
+    from .plan import target_spec
+
+    spec = target_spec(target.model.config.to_dict())
+    spec = replace_bytes(spec, target.dtype)
+    bytes_per_step = spec.bytes_read(batch)
+    measured = measure_bandwidth_gbps(target.device)
+    nominal, hw = nominal_bandwidth_gbps(target.device)
+    rate = bytes_per_step * (tokens_per_s / batch) / 1e9 if tokens_per_s else None
+    return {"batch_size": batch, "weight_bytes_per_step": bytes_per_step, "limit_tokens_per_s_measured_bw":
+            batch * measured * 1e9 / bytes_per_step, "measured_bw_gbps": measured, "nominal_bw_gbps": nominal,
+            "hardware": hw, "plain_tokens_per_s": tokens_per_s,
+            "fraction_of_measured_bw": rate / measured if rate else None,
+            "fraction_of_nominal_bw": rate / nominal if rate and nominal else None}
+
+
+def replace_bytes(spec, dtype: torch.dtype):
+    """The spec's bytes per parameter for the dtype the target is actually loaded in."""
+    from dataclasses import replace
+
+    b = torch.finfo(dtype).bits / 8 if dtype.is_floating_point else 1.0
+    return replace(spec, dense_bytes_per_param=b, expert_bytes_per_param=b)
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -331,6 +427,10 @@ def summarize(records: list[dict], batch_records: list[dict], cfg, methods: list
 # ----------------------------------------------------------------------------- outputs
 
 
+PATH_TEXT = {"off": "eager transformers, dynamic KV cache", "static": "static KV cache, no CUDA graphs",
+             "graphs": "static KV cache, CUDA graphs", "compile": "static KV cache, torch.compile, CUDA graphs"}
+
+
 def benchmark_name(bench: str) -> str:
     """`mtbench` stays; a path shows as its file name without .jsonl(.gz)."""
     name = bench.replace("\\", "/").rsplit("/", 1)[-1]
@@ -374,8 +474,17 @@ def render_report(summary: dict, recipe: Recipe) -> str:
              f"Target `{recipe.target.path}`, {mode}, max_new_tokens={e.max_new_tokens}; eagle3_chain k={e.draft_steps}, "
              f"eagle3_tree depth={e.tree_depth} top-k={e.tree_topk} budget={e.tree_budget}, ngram k={e.draft_steps} "
              f"(n <= {e.ngram_max}). tau = tokens per target verification forward (the target's own token counted); "
-             "speedup = plain decoding time / method time, same target, same process.",
+             "speedup = plain decoding time / method time, same target, same process, same decoding path "
+             f"(`{summary.get('path', 'off')}`: {PATH_TEXT.get(summary.get('path', 'off'), '')}).",
              _md(table_rows(summary))]
+    r = summary.get("roofline")
+    if r and r.get("fraction_of_measured_bw") is not None:
+        nominal = f", {r['fraction_of_nominal_bw']:.2f} of the {r['hardware']} data-sheet {r['nominal_bw_gbps']:.0f} GB/s" \
+            if r.get("fraction_of_nominal_bw") else ""
+        parts.append(f"Plain decoding at batch 1 runs at {r['plain_tokens_per_s']:.1f} tokens/s, reading "
+                     f"{r['weight_bytes_per_step'] / 1e6:.1f} MB of weights per token: {r['fraction_of_measured_bw']:.3f} of the "
+                     f"memory-bandwidth limit ({r['measured_bw_gbps']:.0f} GB/s measured by a copy{nominal}). "
+                     "Speedups over a baseline far below that limit overstate what a serving engine would see.")
     for m, s in summary["methods"].items():
         pp = s["per_position"]
         pos_rows = [["depth", "drafted", "reached", "accepted", "accepted / reached", "accepted / drafted"]]
@@ -470,6 +579,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     done = _read_partial(partial)
 
     target, drafter = load_models(recipe, drafter_dir)
+    paths = Paths(target, drafter, cfg.fast)
+    log(f"[evaluate] decoding path: {paths.mode} (plain decoding and every method alike)")
     eos = eos_token_ids(target)
     todo = []  # (key, bench, prompt, turn index)
     for bench in cfg.benchmarks:
@@ -484,7 +595,17 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if done:
         log(f"[evaluate] resuming: {len(done)} measurements already done")
 
-    warm = False
+    warmed: set[int] = set()
+
+    def warm_up(prompts: list[list[int]]) -> None:
+        """First calls at a batch size pay for allocation, kernel selection and graph capture."""
+        if len(prompts) in warmed:
+            return
+        n = min(8, cfg.max_new_tokens)
+        run_plain(target, prompts, cfg, eos, paths=paths, max_new_tokens=n)
+        for m in methods:
+            run_method(target, drafter, m, prompts, cfg, eos, _generator(target, cfg, -1), n, paths=paths)
+        warmed.add(len(prompts))
     records, rendered = [], []  # rendered: (prompt ids, batch-1 plain output) of every turn, for batches
     for n, (key, bench, p) in enumerate(todo, 1):
         history: list[dict] = []
@@ -495,13 +616,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             tkey = key if turn == 0 else f"{key}/turn{turn + 1}"
             rec = done.get(tkey)
             if rec is None:
-                if not warm:  # first calls pay for allocation and kernel selection
-                    plain_generate(target, ids, min(8, cfg.max_new_tokens), eos)
-                    for m in methods:
-                        run_method(target, drafter, m, [ids], cfg, eos, _generator(target, cfg, -1), min(8, cfg.max_new_tokens))
-                    warm = True
+                warm_up([ids])
                 rec = {"key": tkey, "benchmark": bench, "id": p.id, "category": p.category, "turn": turn + 1,
-                       **evaluate_prompt(target, drafter, ids, cfg, methods, eos, len(records), where)}
+                       **evaluate_prompt(target, drafter, ids, cfg, methods, eos, len(records), where, paths=paths)}
                 _append(partial, rec)
                 log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
                     f"{m} tau {_f(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
@@ -517,15 +634,19 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             rec = done.get(bkey)
             if rec is None:
                 chunk = rendered[j:j + B]
+                warm_up([c[0] for c in chunk])
                 rec = {"key": bkey, **evaluate_batch(target, drafter, [c[0] for c in chunk], [c[1] for c in chunk],
-                                                     cfg, methods, eos, j)}
+                                                     cfg, methods, eos, j, paths=paths)}
                 _append(partial, rec)
                 log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
                     f"{m} speedup {_f(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
             batch_records.append(rec)
 
-    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1]) if cfg.step_costs and rendered else None
+    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], paths=paths) \
+        if cfg.step_costs and rendered else None
     summary = summarize(records, batch_records, cfg, methods)
+    summary["path"] = paths.mode
+    summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
     atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,
                                                  "prompts": records, "batches": batch_records})
     atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
@@ -547,6 +668,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
         "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
         "speedup": o.get("speedup"), "num_prompts": len(records), "draft_steps": cfg.draft_steps,
+        "path": paths.mode,
+        "plain_decode_bw_fraction": (summary["roofline"] or {}).get("fraction_of_measured_bw"),
+        "plain_decode_bw_fraction_nominal": (summary["roofline"] or {}).get("fraction_of_nominal_bw"),
         "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
                         "tokens_per_s": s["overall"]["tokens_per_s_spec"]} for m, s in summary["methods"].items()},
         "batches": {B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()}}

@@ -5,6 +5,10 @@ covers its own config section, the target, and the fingerprints of the stages it
 a complete manifest with the same fingerprint means the stage is skipped. A stage whose
 manifest says `running` with the same fingerprint resumes from what it listed; one with
 another fingerprint starts over in a clean folder.
+
+Under torchrun every rank runs the same stages, but only rank 0 writes the ledger and the
+manifests (artifacts.is_main_rank); the other ranks read them to skip or resume, and after a
+stage wait for rank 0's complete manifest before going on to the next one.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from typing import Callable
 
 import yaml
 
-from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, fingerprint_path, load_manifest, log, stage_dir,
-                        to_jsonable)
+from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
+                        process_rank, stage_dir, to_jsonable)
 from .config import STAGES, Recipe
 
 # stage -> (module, config sections it depends on, upstream stages)
@@ -138,7 +142,31 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
         raise
     ledger.append("stage_finished", stage=stage, fingerprint=fp, seconds=round(time.time() - t0, 3),
                   counts=manifest.get("counts", {}), metrics=manifest.get("metrics", {}))
+    if not is_main_rank():
+        return wait_for_rank0(out_dir, stage, fp)
     return manifest
+
+
+RANK0_WAIT_S = 3600.0
+"""How long a rank other than 0 waits for rank 0's complete manifest after a stage
+(DRAFTSMITH_RANK0_WAIT_S overrides it). torchrun stops every rank when one fails, so this
+only bounds a rank 0 that hangs."""
+
+
+def wait_for_rank0(out_dir: Path, stage: str, fp: str, poll_s: float = 0.5) -> dict:
+    """On a rank other than 0: rank 0's manifest of `stage` once it is complete for `fp`.
+    Rank 0 alone writes manifests, so the next stage's upstream check must not run before it."""
+    limit = float(os.environ.get("DRAFTSMITH_RANK0_WAIT_S", RANK0_WAIT_S))
+    deadline = time.monotonic() + limit
+    while True:
+        m = load_manifest(out_dir)  # rank 0 writes it atomically: the old one or the whole new one
+        if m is not None and m.get("status") == "complete" and m.get("fingerprint") == fp:
+            return m
+        if time.monotonic() >= deadline:
+            raise DraftsmithError(f"{out_dir / 'manifest.json'}: rank {process_rank()} finished stage {stage} but rank 0 did not "
+                                  f"write its complete manifest within {limit:g} s; check rank 0's log, then rerun "
+                                  "(set DRAFTSMITH_RANK0_WAIT_S to wait longer)")
+        time.sleep(poll_s)
 
 
 def run_all(recipe: Recipe, stages: tuple[str, ...] = STAGES,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -113,3 +113,36 @@ def make_model_dir(out_dir: str | Path, arch: str = "llama", seed: int = 0, toke
     gen = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     (out_dir / "generation_config.json").write_text(json.dumps(gen))
     return out_dir
+
+
+class TinyDrafter(NamedTuple):
+    """What make_tiny_drafter builds: `root/target` (model_dir) and `root/drafter`."""
+
+    root: Path
+    model_dir: Path
+    target: Any  # draftsmith.target.model.Target, float32 on CPU
+    drafter: Any  # draftsmith.draft.model.Eagle3Drafter, eval mode
+
+
+def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: int = 100, seed: int = 1,
+                      std: float = 0.2, **config_overrides) -> TinyDrafter:
+    """A tiny llama target in root/target (8 layers: internal aux layers [1, 3, 4]) and a
+    trained-looking drafter for it in root/drafter: a draft vocab of `draft_vocab_size` random
+    target tokens, linears ~ N(0, std) (larger than training's init, so outputs differ clearly).
+    `config_overrides` go to the target's config (e.g. rope_parameters)."""
+    from .config import DraftConfig
+    from .draft.build import drafter_config, init_drafter
+    from .draft.model import save_drafter
+    from .target.model import load_target
+
+    root = Path(root)
+    model_dir = make_model_dir(root / "target", num_layers=num_layers, **config_overrides)
+    target = load_target(model_dir, device="cpu", dtype="float32")
+    V, Vd = target.vocab_size, draft_vocab_size
+    chosen = torch.sort(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:Vd]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[chosen] = True
+    cfg = drafter_config(target.config, DraftConfig(), Vd, target.aux_layer_ids)
+    drafter = init_drafter(cfg, target.input_embeddings(), chosen - torch.arange(Vd), t2d, seed=seed, std=std).eval()
+    save_drafter(drafter, root / "drafter")
+    return TinyDrafter(root, model_dir, target, drafter)

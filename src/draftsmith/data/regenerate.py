@@ -61,7 +61,7 @@ class LocalGenerator:
 
         t = recipe.target
         self.target = load_target(t.path, t.device, t.dtype, t.trust_remote_code, with_tokenizer=True,
-                                  device_map=t.device_map)
+                                  device_map=t.device_map, experts_implementation=t.experts_implementation)
         self.tok = self.target.tokenizer
         self.cfg = recipe.regenerate
         gen_eos = self.target.model.generation_config.eos_token_id

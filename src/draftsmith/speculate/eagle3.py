@@ -20,13 +20,20 @@ import torch
 
 from ..draft.model import DraftKVCache, Eagle3Drafter
 from .engine import DraftTree, move_rows, tree_mask
+from .fast import FastDraft
 
 
 class Eagle3Proposer:
     def __init__(self, drafter: Eagle3Drafter, topk: int = 1, budget: int = 5, temperature: float = 0.0,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, fast: Optional[FastDraft] = None):
         self.drafter, self.topk, self.budget = drafter, topk, budget
         self.temperature, self.generator = temperature, generator
+        self.fast = fast  # static cache + graphed steps (speculate/fast.py); None = eager
+
+    @property
+    def max_nodes(self) -> int:
+        """Most tree nodes one round proposes (the engine pads every verify to 1 + this)."""
+        return self.budget
 
     @property
     def device(self) -> torch.device:
@@ -36,7 +43,7 @@ class Eagle3Proposer:
 
     def start(self, tokens: list[list[int]], outs) -> None:
         B, dev = len(tokens), self.device
-        self.cache = DraftKVCache()
+        self.cache = DraftKVCache() if self.fast is None else self.fast.reset(B, max(map(len, tokens)))
         self.start_col = torch.zeros(B, dtype=torch.long, device=dev)
         self.end_col = torch.zeros(B, dtype=torch.long, device=dev)
         self.rows = torch.zeros(B, dtype=torch.long, device=dev)  # committed rows = committed tokens - 1
@@ -66,9 +73,8 @@ class Eagle3Proposer:
         valid = torch.arange(T)[None] < torch.tensor(n)[:, None]
         anc = (torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool)[None]
         past = self.cache.length
-        mask = tree_mask(self.start_col, self.end_col, past, anc.to(dev))
         pos = self.rows[:, None] + torch.arange(T, device=dev)[None]
-        g = d(ids.to(dev), d.project(aux), pos, self.cache, attn_mask=mask)
+        g, _ = self._step(ids.to(dev), d.project(aux), pos, anc.to(dev), past)
         bs, src, dst = [], [], []
         for b in range(B):
             if n[b]:
@@ -81,6 +87,22 @@ class Eagle3Proposer:
         self.end_col += n_t
         self.rows += n_t
         move_rows(self.cache, bs, src, dst, int(self.end_col.max()))
+
+    def _step(self, ids, hidden, pos, anc, mask_past: int):
+        """One drafter forward over rows written behind the cache's rows; they see the committed
+        columns (mask_past of them) and the drafting columns after them where anc says.
+        Returns (g, logits or None)."""
+        c = self.cache
+        if self.fast is None:
+            return self.drafter(ids, hidden, pos, c, attn_mask=tree_mask(self.start_col, self.end_col, mask_past, anc)), None
+        mask = tree_mask(self.start_col, self.end_col, mask_past, anc, width=c.size)
+        at = c.length
+        if at + ids.shape[1] >= c.size:
+            c = self.cache = self.fast.grow(c, at + ids.shape[1])
+            mask = tree_mask(self.start_col, self.end_col, mask_past, anc, width=c.size)
+        g, logits = self.fast.step(ids, hidden, pos, mask, torch.tensor(at, device=ids.device))
+        c.length = at + ids.shape[1]
+        return g, logits
 
     # ------------------------------------------------------------------ drafting
 
@@ -100,9 +122,9 @@ class Eagle3Proposer:
         K = self.topk
         past = self.cache.length
 
-        def children(g: torch.Tensor):
+        def children(g: torch.Tensor, logits: Optional[torch.Tensor] = None):
             """top-k (or one sampled) draft ids per row, their log-probs, their q over the target vocab."""
-            logits = d.logits(g).float()
+            logits = (d.logits(g) if logits is None else logits).float()
             if sampled:
                 q = torch.softmax(logits / self.temperature, -1)
                 idx = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=self.generator).reshape(q.shape[:-1] + (1,))
@@ -123,8 +145,8 @@ class Eagle3Proposer:
             tok = torch.cat(toks, 1).gather(1, front)
             anc = torch.cat([front_anc, torch.eye(K, dtype=torch.bool, device=dev)[None].expand(B, K, K)], -1)
             pos = (self.rows + depth - 2)[:, None].expand(B, K)
-            g = d(tok, front_g, pos, self.cache, attn_mask=tree_mask(self.start_col, self.end_col, past, anc))
-            idx, logp, q = children(g)                                        # [B, K, K]
+            g, logits = self._step(tok, front_g, pos, anc, past)
+            idx, logp, q = children(g, logits)                                # [B, K, K]
             cum = (front_score[:, :, None] + logp).reshape(B, K * K)
             toks.append(d.draft_to_target(idx).reshape(B, K * K))
             scores.append(cum)

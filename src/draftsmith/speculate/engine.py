@@ -37,6 +37,7 @@ import torch
 from ..artifacts import DraftsmithError
 from ..draft.model import DraftKVCache, Eagle3Drafter
 from ..target.model import Target, TargetOutput
+from .fast import FastTarget, additive
 
 
 @dataclass
@@ -174,7 +175,15 @@ def _cache_tensors(cache: Any) -> list[tuple[Any, str]]:
 
 
 def move_rows(cache: Any, batch: list[int], src: list[int], dst: list[int], length: int) -> None:
-    """Copy cache columns src -> dst of the given batch rows, then keep the first `length` columns."""
+    """Copy cache columns src -> dst of the given batch rows, then keep the first `length` columns
+    (a static cache keeps its buffers: only its `length` changes)."""
+    if getattr(cache, "static", False):
+        if batch:
+            b, s, d = (torch.tensor(x, device=cache.k.device) for x in (batch, src, dst))
+            for t in (cache.k, cache.v):
+                t[b, :, d] = t[b, :, s]
+        cache.length = length
+        return
     for holder, name in _cache_tensors(cache):
         t = getattr(holder, name)
         if t is None or t.numel() == 0:
@@ -186,17 +195,17 @@ def move_rows(cache: Any, batch: list[int], src: list[int], dst: list[int], leng
         setattr(holder, name, t[:, :, :length])
 
 
-def tree_mask(start: torch.Tensor, end: torch.Tensor, past: int, anc: torch.Tensor) -> torch.Tensor:
-    """Bool mask [B, N, past + N] (True = attend): row i of sequence b sees b's committed columns
-    [start_b, end_b) and the new rows j with anc[b, i, j] (its ancestors and itself)."""
+def tree_mask(start: torch.Tensor, end: torch.Tensor, past: int, anc: torch.Tensor,
+              width: Optional[int] = None) -> torch.Tensor:
+    """Bool mask [B, N, past + M] (True = attend), anc [B, N, M]: row i of sequence b sees b's
+    committed columns [start_b, end_b) and the new columns past + j with anc[b, i, j] (its
+    ancestors and itself). `width` pads the mask with unseen columns (a static cache's size)."""
     cols = torch.arange(past, device=anc.device)
     committed = (cols >= start[:, None]) & (cols < end[:, None])
-    return torch.cat([committed[:, None, :].expand(-1, anc.shape[1], -1), anc], dim=-1)
-
-
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [B, N, S] -> HF 4D additive float mask [B, 1, N, S] (works for eager and sdpa)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[:, None]
+    parts = [committed[:, None, :].expand(-1, anc.shape[1], -1), anc]
+    if width is not None and width > past + anc.shape[-1]:
+        parts.append(anc.new_zeros(anc.shape[0], anc.shape[1], width - past - anc.shape[-1]))
+    return torch.cat(parts, dim=-1)
 
 
 def _tree_ancestry(trees: list[DraftTree], n: int, device) -> torch.Tensor:
@@ -351,6 +360,38 @@ def verify_forward(target: Target, cache: Any, input_ids: torch.Tensor, position
                           position_ids=position_ids, use_cache=True)
 
 
+def prefill_mask(pad: torch.Tensor, P: int) -> torch.Tensor:
+    """Bool [B, P, P]: causal over each left-padded prompt (padding rows see themselves)."""
+    dev = pad.device
+    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()[None]
+    return (causal & (torch.arange(P, device=dev)[None, None] >= pad[:, None, None])) | torch.eye(
+        P, dtype=torch.bool, device=dev)[None]
+
+
+class EagerVerifier:
+    """The target over transformers' own (dynamic) KV cache: the eager path. Same interface as
+    fast.FastTarget (prefill, verify, keep, past), which `generate` uses instead when given."""
+
+    def __init__(self, target: Target):
+        self.target, self.cache = target, None
+
+    @property
+    def past(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    def prefill(self, ids, pos, pad, max_new_tokens: int, max_rows: int = 1) -> TargetOutput:
+        out = self.target.forward(ids, attention_mask=additive(prefill_mask(pad, ids.shape[1]), self.target.dtype),
+                                  position_ids=pos, use_cache=True)
+        self.cache = out.past_key_values
+        return out
+
+    def verify(self, ids, pos, start, end, anc, n_rows: int = 0) -> TargetOutput:
+        return verify_forward(self.target, self.cache, ids, pos, tree_mask(start, end, self.past, anc))
+
+    def keep(self, b: list[int], src: list[int], dst: list[int], length: int, n_moves: int = 0) -> None:
+        move_rows(self.cache, b, src, dst, length)
+
+
 def _rows(out: TargetOutput, b: int, rows: torch.Tensor) -> TargetOutput:
     return TargetOutput(logits=None if out.logits is None else out.logits[b:b + 1, rows],
                         aux_hidden=out.aux_hidden[b:b + 1, rows],
@@ -360,11 +401,16 @@ def _rows(out: TargetOutput, b: int, rows: torch.Tensor) -> TargetOutput:
 @torch.inference_mode()
 def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[list[int]], max_new_tokens: int,
              depth: int = 5, eos_ids: Sequence[int] = (), temperature: float = 0.0,
-             generator: Optional[torch.Generator] = None) -> tuple[list[list[int]], list[SpecStats]]:
+             generator: Optional[torch.Generator] = None,
+             fast: Optional[FastTarget] = None) -> tuple[list[list[int]], list[SpecStats]]:
     """Speculative decoding of a batch. Trees deeper than `depth` are cut. Greedy output equals
     plain greedy decoding; sampled output has the target's distribution. Returns per sequence
-    the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide)."""
+    the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide).
+    `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
+    ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`)."""
     B, dev = len(prompts), target.device
+    runner = fast if fast is not None else EagerVerifier(target)
+    n_rows = 1 + (getattr(proposer, "max_nodes", depth) if proposer is not None else 0)
     stats = [SpecStats(drafted=[0] * depth, reached=[0] * depth, accepted=[0] * depth) for _ in prompts]
     clock = {"target_s": 0.0, "draft_s": 0.0}
     t_start = time.perf_counter()
@@ -378,12 +424,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
 
     ids, pad, pos = left_pad(prompts, dev)
     P = ids.shape[1]
-    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()[None]
-    prefill_mask = (causal & (torch.arange(P, device=dev)[None, None] >= pad[:, None, None])) | torch.eye(
-        P, dtype=torch.bool, device=dev)[None]
-    out = timed("target_s", lambda: target.forward(ids, attention_mask=additive(prefill_mask, target.dtype),
-                                                   position_ids=pos, use_cache=True))
-    cache = out.past_key_values
+    out = timed("target_s", runner.prefill, ids, pos, pad, max_new_tokens, n_rows)
     tokens = [list(p) + [_pick(out.logits[b, -1], temperature, generator)] for b, p in enumerate(prompts)]
     new = [[t[-1]] for t in tokens]
     done = [len(n) >= max_new_tokens or n[-1] in eos_ids for n in new]
@@ -406,10 +447,10 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             verify_in[b, 0] = tokens[b][-1]
             verify_in[b, 1:1 + len(t)] = torch.tensor(t.tokens, dtype=torch.long)
             depth_of[b, 1:1 + len(t)] = torch.tensor(t.depths(), dtype=torch.long)
-        past = cache.get_seq_length()
+        past = runner.past
         committed_len = end - start
-        mask = tree_mask(start, end, past, _tree_ancestry(trees, N, dev))
-        out = timed("target_s", verify_forward, target, cache, verify_in.to(dev), committed_len[:, None] + depth_of.to(dev), mask)
+        out = timed("target_s", runner.verify, verify_in.to(dev), committed_len[:, None] + depth_of.to(dev), start, end,
+                    _tree_ancestry(trees, N, dev), n_rows)
 
         if temperature <= 0:
             greedy = out.logits.argmax(-1).tolist()
@@ -446,7 +487,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             commits.append([] if done[b] else committed)
             outs.append(None if done[b] else _rows(out, b, torch.tensor(rows, device=dev)))
         # Keep the root and the accepted path of every sequence, behind its committed rows.
-        move_rows(cache, move_b, move_src, move_dst, int(end.max()))
+        runner.keep(move_b, move_src, move_dst, int(end.max()), B * n_rows)
         if proposer is not None and not all(done):
             timed("draft_s", proposer.commit, commits, outs)
 

@@ -138,7 +138,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     t_load = time.time()
     target = load_target(recipe.target.path, device, recipe.target.dtype, recipe.target.trust_remote_code,
                          recipe.target.aux_layer_ids, with_tokenizer=False,
-                         device_map=getattr(recipe.target, "device_map", None))
+                         device_map=getattr(recipe.target, "device_map", None),
+                         experts_implementation=recipe.target.experts_implementation)
     load_s = round(time.time() - t_load, 3)
     bpt = bytes_per_token(len(target.aux_layer_ids), target.hidden_size, cfg.storage_dtype)
 

@@ -162,7 +162,7 @@ def model_class(config: Any):
 
 def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
                 aux_layer_ids: Optional[list[int]] = None, with_tokenizer: bool = True,
-                device_map: Optional[str | dict] = None) -> Target:
+                device_map: Optional[str | dict] = None, experts_implementation: Optional[str] = None) -> Target:
     """Load a local Hugging Face causal LM as a Target (eval mode, no grad).
 
     device_map (e.g. "auto", "balanced", a {module: device} dict) spreads a large target over
@@ -183,6 +183,8 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
             raise DraftsmithError(f"target.device_map {device_map!r}: needs the accelerate package; pip install accelerate "
                                   "(or unset target.device_map to load the target on one device)")
         extra = {"device_map": device_map} if device_map else {}
+        if experts_implementation:
+            extra["experts_implementation"] = experts_implementation
         model = model_class(config).from_pretrained(str(path), config=config, dtype=dt,
                                                     trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
     except ValueError as e:

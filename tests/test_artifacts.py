@@ -1,0 +1,153 @@
+"""Run-directory artifacts: deterministic safetensors bytes; under torchrun only rank 0 writes
+the ledger and the manifests, while the other ranks still read them to skip or resume."""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftsmith import pipeline
+from draftsmith.artifacts import (LEDGER, MANIFEST, DraftsmithError, Ledger, atomic_save_safetensors, atomic_write_json,
+                                  finish_manifest, is_main_rank, load_manifest, new_manifest, sha256_file, stage_dir,
+                                  write_manifest)
+from draftsmith.config import Recipe, TargetConfig
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def test_safetensors_bytes_ignore_insertion_order(tmp_path):
+    tensors = {"b": torch.arange(6).reshape(2, 3), "a": torch.ones(4, dtype=torch.bool), "c": torch.zeros(2, 2),
+               "d": torch.ones(3, dtype=torch.bfloat16)}
+    metadata = {k: str(i) for i, k in enumerate(["stage", "format", "zeta", "alpha", "target", "fingerprint", "x", "y"])}
+    shas, blobs = set(), set()
+    for i in range(6):  # safetensors writes metadata in Rust hash order, new for every call
+        t_items, m_items = list(tensors.items()), list(metadata.items())
+        if i % 2:
+            t_items, m_items = t_items[::-1], m_items[::-1]
+        elif i:
+            t_items, m_items = t_items[i:] + t_items[:i], m_items[i:] + m_items[:i]
+        path = tmp_path / f"{i}.safetensors"
+        shas.add(atomic_save_safetensors(path, dict(t_items), dict(m_items)))
+        blobs.add(path.read_bytes())
+        assert sha256_file(path) in shas
+    assert len(blobs) == 1 and len(shas) == 1
+    with safe_open(str(tmp_path / "0.safetensors"), "pt") as f:  # still a valid file, same contents
+        assert f.metadata() == metadata
+        for k, v in tensors.items():
+            t = f.get_tensor(k)
+            assert t.dtype == v.dtype and torch.equal(t, v), k
+
+
+# ----------------------------------------------------------------------------- rank 0 writes
+
+
+@pytest.fixture(params=["env", "dist"])
+def rank1(request, monkeypatch):
+    """This process as rank 1 of 2: by torchrun's RANK (no process group), or by a process group
+    (torch.distributed faked as initialized, RANK left at 0 to show the group wins)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if request.param == "env":
+        monkeypatch.setenv("RANK", "1")
+    else:
+        import torch.distributed as dist
+
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(dist, "is_available", lambda: True)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert not is_main_rank()
+    return request.param
+
+
+def test_rank1_appends_and_writes_nothing(tmp_path, rank1):
+    Ledger(tmp_path).append("stage_started", stage="prepare")
+    assert not (tmp_path / LEDGER).exists()
+    m = new_manifest("prepare", "fp", {}, {})
+    write_manifest(tmp_path / "data", m)
+    assert finish_manifest(tmp_path / "data", m)["status"] == "complete"
+    assert not (tmp_path / "data" / MANIFEST).exists()
+
+
+def _tiny_recipe(tmp_path: Path) -> Recipe:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # all target_fingerprint reads
+    return Recipe(run_dir=str(tmp_path / "run"), target=TargetConfig(path=str(target)))
+
+
+@pytest.fixture
+def fake_stage(monkeypatch):
+    """`prepare` replaced by a stage module that records its calls; fingerprint fixed."""
+    mod = types.ModuleType("draftsmith_fake_stage")
+    mod.calls = []
+    mod.rank0 = None  # when set: called after this rank's writes, to stand for rank 0 finishing
+
+    def run(recipe, run_dir, fp):
+        out = stage_dir(run_dir, "prepare")
+        m = new_manifest("prepare", fp, {}, {})
+        write_manifest(out, m)
+        mod.calls.append(("wrote", (out / MANIFEST).exists()))
+        m = finish_manifest(out, m)
+        mod.calls.append(("finished", (out / MANIFEST).exists()))
+        if mod.rank0:
+            mod.rank0(out, fp)
+        return m
+
+    mod.run = run
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(pipeline.STAGE_DEPS, "prepare", (mod.__name__, ("prepare",), ()))
+    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir: "fp-prepare")
+    return mod
+
+
+def test_pipeline_rank0_writes_ledger_and_manifest(tmp_path, fake_stage):
+    recipe = _tiny_recipe(tmp_path)
+    m = pipeline.run_stage("prepare", recipe)
+    assert m["status"] == "complete" and fake_stage.calls == [("wrote", True), ("finished", True)]
+    assert [e["event"] for e in Ledger(recipe.run_dir).read()] == ["stage_started", "stage_finished"]
+
+
+def test_pipeline_rank1_runs_but_appends_nothing(tmp_path, fake_stage, rank1):
+    recipe = _tiny_recipe(tmp_path)
+    run_dir = Path(recipe.run_dir)
+
+    def rank0_finishes(out, fp):  # rank 0, in another process, writes the complete manifest
+        atomic_write_json(out / MANIFEST, {**new_manifest("prepare", fp, {}, {}), "status": "complete", "by": "rank0"})
+
+    fake_stage.rank0 = rank0_finishes
+    m = pipeline.run_stage("prepare", recipe)
+    assert fake_stage.calls == [("wrote", False), ("finished", False)]  # rank 1 wrote no manifest
+    assert m["by"] == "rank0" and m["status"] == "complete"  # it waited for and returns rank 0's
+    assert not (run_dir / LEDGER).exists()
+
+
+def test_pipeline_rank1_skips_complete_stage_by_reading(tmp_path, fake_stage, rank1):
+    recipe = _tiny_recipe(tmp_path)
+    run_dir = Path(recipe.run_dir)
+    out = stage_dir(run_dir, "prepare")
+    atomic_write_json(out / MANIFEST, {**new_manifest("prepare", "fp-prepare", {}, {}), "status": "complete"})
+    (run_dir / LEDGER).write_text('{"event": "stage_finished", "stage": "prepare"}\n')
+    before = (run_dir / LEDGER).read_bytes()
+    m = pipeline.run_stage("prepare", recipe)
+    assert m["status"] == "complete" and fake_stage.calls == []  # skipped, from rank 0's manifest
+    assert (run_dir / LEDGER).read_bytes() == before  # no stage_skipped line from rank 1
+    assert load_manifest(out) == m
+
+
+def test_pipeline_rank1_resumes_running_stage(tmp_path, fake_stage, rank1, monkeypatch):
+    """A `running` manifest of the same fingerprint resumes on rank 1 too (it reads, not deletes),
+    and a rank 0 that never finishes is reported after DRAFTSMITH_RANK0_WAIT_S."""
+    recipe = _tiny_recipe(tmp_path)
+    out = stage_dir(recipe.run_dir, "prepare")
+    atomic_write_json(out / MANIFEST, new_manifest("prepare", "fp-prepare", {}, {}))
+    (out / "shard-00000.safetensors").write_bytes(b"kept")
+    monkeypatch.setenv("DRAFTSMITH_RANK0_WAIT_S", "0.2")
+    with pytest.raises(DraftsmithError, match="rank 1 finished stage prepare but rank 0 did not"):
+        pipeline.run_stage("prepare", recipe)
+    assert fake_stage.calls == [("wrote", True), ("finished", True)]  # rank 0's running manifest, untouched
+    assert load_manifest(out)["status"] == "running" and (out / "shard-00000.safetensors").read_bytes() == b"kept"
+    assert not (Path(recipe.run_dir) / LEDGER).exists()

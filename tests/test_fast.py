@@ -1,0 +1,135 @@
+"""Fast paths (static KV caches, CUDA graphs): lossless against plain eager greedy decoding.
+
+On a CPU only the `static` mode runs (same caches and bookkeeping, no graphs); on a CUDA machine the
+same tests also run `graphs` and `compile` (benchmarks/h200.sh runs this file there)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.artifacts import DraftsmithError
+from draftsmith.speculate.eagle3 import Eagle3Proposer
+from draftsmith.speculate.engine import PerSequence, generate, plain_generate
+from draftsmith.speculate.fast import FastDraft, FastTarget, Graphed, pick_on_device, resolve_mode
+from draftsmith.speculate.ngram import NgramProposer
+from draftsmith.target.model import load_target
+from draftsmith.testing import make_model_dir
+
+from test_engine import PROMPTS, OracleProposer, make_drafter
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+MODES = ["static"] + (["graphs", "compile"] if CUDA else [])  # compile last: it patches the model in place
+SPEC_MODES = MODES[:2]  # compile recompiles per row count: covered by the plain test, too slow here
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+def target(request, tmp_path_factory):
+    torch.manual_seed(0)
+    path = make_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=4)
+    return load_target(path, device=DEVICE, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def plains(target):
+    return [plain_generate(target, p, 24) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fast_plain_equals_eager_plain(target, plains, mode):
+    ft = FastTarget(target, mode, max_len=16)  # too small on purpose: prefill grows it
+    for p, ref in zip(PROMPTS, plains):
+        assert ft.plain([p], 24) == [ref]
+    assert ft.plain(PROMPTS, 24) == plains  # a left-padded batch, the same cache object re-sized
+    eos = plains[0][5]
+    assert ft.plain([PROMPTS[0]], 24, eos_ids=[eos]) == [plains[0][:plains[0].index(eos) + 1]]  # stops at EOS
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+@pytest.mark.parametrize("method", ["chain", "tree", "ngram", "oracle"])
+def test_fast_speculative_lossless(target, plains, mode, method):
+    ft = FastTarget(target, mode)
+    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
+    fd = FastDraft(drafter, graphs=mode != "static")
+    for batch in ([0], [1], [2], [3], [0, 1, 2, 3]):
+        prompts = [PROMPTS[i] for i in batch]
+        if method == "chain":
+            prop = Eagle3Proposer(drafter, topk=1, budget=4, fast=fd)
+        elif method == "tree":
+            prop = Eagle3Proposer(drafter, topk=3, budget=8, fast=fd)
+        elif method == "ngram":
+            prop = PerSequence([NgramProposer(3) for _ in prompts])
+        else:
+            prop = PerSequence([OracleProposer(PROMPTS[i] + plains[i], error_rate=0.3, seed=i) for i in batch])
+        new, stats = generate(target, prop, prompts, 24, depth=4, fast=ft)
+        assert new == [plains[i] for i in batch], (method, batch)
+        assert all(s.rounds >= 1 for s in stats)
+
+
+def test_fast_oracle_accepts_everything(target, plains):
+    ft = FastTarget(target, "static")
+    prop = PerSequence([OracleProposer(PROMPTS[0] + plains[0])])
+    new, [st] = generate(target, prop, [PROMPTS[0]], 24, depth=5, fast=ft)
+    assert new == [plains[0]]
+    assert st.tau == pytest.approx(6.0, abs=1.0)  # 5 drafts + bonus per round, the last round shorter
+
+
+def test_drafter_cache_grows_without_losing_rows(target, plains):
+    drafter = make_drafter(target, draft_vocab=200, seed=2).to(DEVICE)
+    fd = FastDraft(drafter, graphs=False)
+    fd._new(1, 0)
+    fd.cache.k = fd.cache.k[:, :, :8].clone()  # force a growth in the middle of a generation
+    fd.cache.v = fd.cache.v[:, :, :8].clone()
+    fd.reset = lambda B, needed: fd.cache  # keep the tiny cache
+    prop = Eagle3Proposer(drafter, topk=1, budget=4, fast=fd)
+    eager = Eagle3Proposer(drafter, topk=1, budget=4)
+    a = generate(target, prop, [PROMPTS[2]], 24, depth=4, fast=FastTarget(target, "static"))
+    b = generate(target, eager, [PROMPTS[2]], 24, depth=4)
+    assert a[0] == b[0] == [plains[2]]
+    assert [s.accepted_per_round for s in a[1]] == [s.accepted_per_round for s in b[1]]
+    assert fd.cache.size > 8
+
+
+def test_pick_on_device_samples_softmax():
+    torch.manual_seed(0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).repeat(20000, 1)
+    got = torch.bincount(pick_on_device(logits, 1.0), minlength=4).float() / 20000
+    want = torch.softmax(logits[0], -1)
+    assert torch.allclose(got, want, atol=0.015)
+    assert pick_on_device(logits[:2], 0.0).tolist() == [2, 2]
+
+
+def test_resolve_mode():
+    cpu = torch.device("cpu")
+    assert resolve_mode("auto", cpu) == "off"
+    assert resolve_mode("static", cpu) == "static"
+    assert resolve_mode("auto", torch.device("cuda")) == "graphs"
+    with pytest.raises(DraftsmithError, match="needs a CUDA device"):
+        resolve_mode("graphs", cpu)
+    with pytest.raises(DraftsmithError, match="unknown"):
+        resolve_mode("fastest", cpu)
+
+
+def test_graphed_disabled_and_row_limit_run_eagerly():
+    calls = []
+    g = Graphed(lambda x: calls.append(x.shape) or x * 2, enabled=False)
+    assert g(torch.ones(2, 3)).sum() == 12
+    g = Graphed(lambda x: calls.append(x.shape) or x * 2, enabled=True, max_rows=2)
+    assert g(torch.ones(1, 3)).sum() == 6  # over max_rows: eager even when enabled (no CUDA needed)
+    assert len(calls) == 2 and not g.graphs
+
+
+def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
+    """The compile mode's regional torch.compile (norms, MLPs, rotary) runs on a CPU too (without
+    CUDA graphs): same greedy tokens as eager."""
+    pytest.importorskip("torch._inductor")
+    from draftsmith.speculate.fast import compile_regions
+
+    path = make_model_dir(tmp_path, num_layers=2)
+    target = load_target(path, device="cpu", dtype="float32")
+    ref = [plain_generate(target, p, 8) for p in PROMPTS[:2]]
+    import transformers.models.llama.modeling_llama as llama  # compile_regions patches its rotary function
+
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", llama.apply_rotary_pos_emb)
+    assert compile_regions(target.model) > 0 and compile_regions(target.model) == 0
+    assert FastTarget(target, "static").plain(PROMPTS[:2], 8) == ref
