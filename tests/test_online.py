@@ -1,5 +1,6 @@
 """Online mode: hidden states from the target's forward, no disk, equal to the offline capture's;
-a few training steps on each, in the same data order, give the same drafter."""
+a few training steps on each, in the same data order, give the same drafter; the train stage with
+train.online: true skips capture, matches the offline stage step for step and resumes exactly."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from draftsmith.artifacts import DraftsmithError, load_manifest
 from draftsmith.cli import parse_recipe
 from draftsmith.data.shards import read_shard
 from draftsmith.draft.build import drafter_config, init_drafter, read_target_embeddings
@@ -106,3 +108,172 @@ def test_online_training_equals_offline(bf16_run):
     assert offline[0][-1] < offline[0][0]  # it learns
     for name, w in offline[1].items():
         assert torch.equal(w, online[1][name]), name
+
+
+# ----------------------------------------------------------------------------- the train stage online
+
+TRAIN = {"ttt_steps": 3, "max_steps": 6, "batch_tokens": 160, "max_length": MAX_LENGTH, "lr": 3e-3, "warmup_steps": 1,
+         "save_every": 2, "log_every": 1, "device": "cpu", "dtype": "float32", "heldout_samples": 3, "eval_every": 3}
+
+
+def _recipe(tmp, target, online: bool, **train_kw):
+    """24 short conversations, a float32 target, storage bfloat16, one sample per target forward
+    (capture.batch_tokens 1) offline and online."""
+    convs = [[{"from": "human", "value": f"Count from {i} to {i + 2 + i % 5}."},
+              {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 3 + i % 5)) + ". Done!"}] for i in range(24)]
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "convs.json").write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(convs)]))
+    recipe = {"run_dir": str(tmp / "run"), "target": {"path": str(target), "device": "cpu", "dtype": "float32"},
+              "prepare": {"source": str(tmp / "convs.json"), "max_length": MAX_LENGTH, "samples_per_shard": 8},
+              "capture": {"batch_tokens": 1, "storage_dtype": "bfloat16"},
+              "vocab": {"draft_vocab_size": 64}, "train": {**TRAIN, **train_kw, "online": online}}
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return parse_recipe([str(tmp / "recipe.yaml")])[0], tmp / "run"
+
+
+def _run_to_train(recipe) -> dict[str, dict]:
+    """The stages of `draftsmith run` up to train, in its order."""
+    return {s: run_stage(s, recipe) for s in ("prepare", "regenerate", "capture", "vocab", "train")}
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _evals(run_dir):
+    return [json.loads(line) for line in (run_dir / "train" / "eval.jsonl").read_text().splitlines()]
+
+
+def _weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "train" / "drafter" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    """(target dir, offline run dir, online run dir), each trained 6 steps from its own prepare."""
+    target = make_model_dir(tmp_path_factory.mktemp("target") / "target", num_layers=4, hidden_size=64)
+    dirs = []
+    for online in (False, True):
+        tmp = tmp_path_factory.mktemp("online" if online else "offline")
+        recipe, run_dir = _recipe(tmp, target, online)
+        out = _run_to_train(recipe)
+        assert (out["capture"] == {}) == online
+        dirs.append(run_dir)
+    return target, *dirs
+
+
+def test_online_train_stage_equals_offline(train_runs):
+    """Same data, seed and storage dtype (float32 target, bfloat16 storage): the online train stage
+    takes the offline one's steps exactly (torch.equal / == on every loss and weight)."""
+    _, offline, online = train_runs
+    assert not (online / "capture").exists()  # capture skipped: no hidden states on disk
+    assert not [p for p in online.rglob("*") if "capture" in p.name]
+    m_off, m_on = (load_manifest(d / "train") for d in (offline, online))
+    assert m_on["status"] == "complete" and m_on["online"] is True and m_off["online"] is False
+    assert set(m_on["inputs"]) == {"prepare", "vocab"} and set(m_off["inputs"]) == {"capture", "vocab"}
+    assert m_on["aux_layer_ids"] == load_manifest(offline / "capture")["aux_layer_ids"]
+    assert m_on["counts"] == m_off["counts"] and m_on["counts"]["samples_heldout"] == 3
+    ls = _losses(online)
+    assert len(ls) == 6 and ls == _losses(offline)
+    assert ls[-1] < ls[0]
+    assert _evals(online) == _evals(offline) and [e["step"] for e in _evals(online)] == [3, 6]
+    a, b = _weights(offline), _weights(online)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    # train reads data/ and vocab/ only: the ledger of the online run never started capture
+    events = [json.loads(line) for line in (online / "ledger.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e.get("stage") == "capture"]
+    # `draftsmith status` does not wait for a capture that online mode never runs
+    from draftsmith.status import collect
+
+    st = collect(online)
+    assert "capture" not in [s["stage"] for s in st["stages"]] and st["next_step"]["stage"] == "evaluate"
+    assert "capture" in [s["stage"] for s in collect(offline)["stages"]]
+
+
+def test_online_train_resumes_exactly(train_runs, tmp_path, monkeypatch):
+    """Killed at step 5 (checkpoint at 4), the rerun continues from the data cursor and takes the
+    uninterrupted online run's steps exactly."""
+    import draftsmith.train.loop as loop
+
+    target, _, online = train_runs
+    recipe, run_dir = _recipe(tmp_path, target, True)
+    for s in ("prepare", "regenerate", "capture", "vocab"):
+        run_stage(s, recipe)
+    real = loop._append_jsonl
+
+    def crash_at_step_5(f, rec):
+        if rec["step"] == 5:
+            raise KeyboardInterrupt
+        real(f, rec)
+
+    monkeypatch.setattr(loop, "_append_jsonl", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("train", recipe)
+    assert (run_dir / "train" / "latest").read_text().strip() == "step-000004"
+    assert load_manifest(run_dir / "train")["status"] == "running"
+    monkeypatch.setattr(loop, "_append_jsonl", real)
+    m = run_stage("train", recipe)
+    assert m["status"] == "complete" and m["online"] is True
+    assert _losses(run_dir) == _losses(online)
+    a, b = _weights(online), _weights(run_dir)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_online_bad_config_is_one_line_error(train_runs, tmp_path):
+    import draftsmith.train.loop as loop
+
+    target, _, _ = train_runs
+    # online train before prepare: it names the token shards it needs, not capture
+    recipe, _ = _recipe(tmp_path / "a", target, True)
+    with pytest.raises(DraftsmithError, match=r"data/manifest\.json: stage prepare is not complete") as e:
+        run_stage("train", recipe)
+    assert "\n" not in str(e.value) and "capture" not in str(e.value)
+    # prepare and vocab done, then the target path points nowhere
+    recipe, run_dir = _recipe(tmp_path / "b", target, True)
+    for s in ("prepare", "vocab"):
+        run_stage(s, recipe)
+    recipe.target.path = str(tmp_path / "no-such-target")
+    with pytest.raises(DraftsmithError, match=r"no-such-target/config\.json: target model not found; set target\.path") as e:
+        run_stage("train", recipe)
+    assert "\n" not in str(e.value)
+    # aux layers the target does not have: the loop's target load (online only) names them
+    recipe.target.path = str(target)
+    recipe.target.aux_layer_ids = [1, 9]
+    with pytest.raises(DraftsmithError, match=r"target\.aux_layer_ids \[1, 9\]: \[9\] outside 0\.\.3") as e:
+        loop.run(recipe, run_dir, "fp-train")
+    assert "\n" not in str(e.value)
+
+
+def test_online_pipeline_dependencies(tmp_path):
+    from draftsmith.config import Recipe, TrainConfig
+    from draftsmith.pipeline import sections_of, skip_reason, upstream_of
+
+    off, on = Recipe(), Recipe(train=TrainConfig(online=True))
+    assert upstream_of("train", off) == ("capture", "vocab") and upstream_of("train", on) == ("prepare", "vocab")
+    assert "capture" in sections_of("train", on) and "capture" not in sections_of("train", off)
+    assert skip_reason("capture", on) and skip_reason("capture", off) is None
+    on.regenerate.enabled = True
+    assert upstream_of("train", on) == ("prepare", "regenerate", "vocab")
+
+
+def test_online_two_ranks_match_one(train_runs, tmp_path):
+    """2 CPU ranks (gloo, FSDP2), each running the target on its own micro-batches, take the
+    1-rank online run's steps at the same global batches (fp32 sum order: RTOL as test_distributed)."""
+    from test_distributed import RTOL, run_ranks
+
+    target, _, _ = train_runs
+    runs = []
+    for world in (1, 2):
+        recipe, run_dir = _recipe(tmp_path / f"w{world}", target, True, micro_batch_tokens=80, max_steps=4)
+        for s in ("prepare", "vocab"):
+            run_stage(s, recipe)
+        run_ranks(world, recipe, run_dir)
+        runs.append(run_dir)
+    m = load_manifest(runs[1] / "train")
+    assert m["world_size"] == 2 and m["online"] is True and m["counts"]["micro_batches_per_step"] == 2
+    assert _losses(runs[1]) == pytest.approx(_losses(runs[0]), rel=RTOL)
+    a, b = _weights(runs[0]), _weights(runs[1])
+    for n in a:
+        torch.testing.assert_close(b[n], a[n], rtol=1e-3, atol=1e-5, msg=n)

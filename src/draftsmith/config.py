@@ -167,7 +167,11 @@ class TrainConfig:
     """Initial drafter lm_head: random, or the target's lm_head rows of the draft vocab (the
     drafter then starts by reading its hidden state the way the target reads its own)."""
     online: bool = False
-    """Run the target forward inside training on data/ shards instead of reading capture/."""
+    """Run the target forward inside training on prepare's token shards (data/, or regen/)
+    instead of reading capture/: the capture stage is skipped and nothing is written for the
+    hidden states. The target (target.*) is loaded next to the drafter; its states are batched
+    by capture.batch_tokens and rounded to capture.storage_dtype, as offline, so the same data
+    and seed train the same drafter."""
 
 
 @dataclass

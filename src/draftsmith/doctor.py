@@ -122,6 +122,9 @@ def capture_estimate(recipe, spec) -> tuple[Optional[int], str]:
 def check_disk(recipe, spec) -> dict:
     run_dir = Path(recipe.run_dir)
     free = shutil.disk_usage(_existing(run_dir)).free
+    if recipe.train.online:
+        return check("disk", "ok", f"train.online: no capture is written (the target runs inside training); "
+                     f"{free / 2**30:.1f} GiB free at {run_dir}", free=free)
     cap = load_manifest(stage_dir(run_dir, "capture"))
     if cap and cap.get("status") == "complete":
         return check("disk", "ok", f"capture is complete; {free / 2**30:.1f} GiB free at {run_dir}", free=free)

@@ -38,9 +38,36 @@ STAGE_DEPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+ONLINE_TRAIN_DEPS: tuple[tuple[str, ...], tuple[str, ...]] = (("draft", "train", "seed", "capture"), ("prepare", "regenerate", "vocab"))
+"""The train stage's (config sections, upstream stages) when train.online is set: it reads the
+token shards and runs the target itself, so capture is not upstream, but capture's
+storage_dtype and batch_tokens shape the hidden states it trains on."""
+
+
+def online(recipe: Recipe) -> bool:
+    return bool(getattr(recipe.train, "online", False))
+
+
+def sections_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
+    """Config sections that a stage's fingerprint covers in this recipe."""
+    return ONLINE_TRAIN_DEPS[0] if stage == "train" and online(recipe) else STAGE_DEPS[stage][1]
+
+
 def upstream_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
-    """A stage's upstream stages in this recipe: regenerate counts only when enabled."""
-    return tuple(u for u in STAGE_DEPS[stage][2] if u != "regenerate" or recipe.regenerate.enabled)
+    """A stage's upstream stages in this recipe: regenerate counts only when enabled; with
+    train.online, train reads the token shards (prepare/regenerate) and vocab, not capture."""
+    ups = ONLINE_TRAIN_DEPS[1] if stage == "train" and online(recipe) else STAGE_DEPS[stage][2]
+    return tuple(u for u in ups if u != "regenerate" or recipe.regenerate.enabled)
+
+
+def skip_reason(stage: str, recipe: Recipe) -> str | None:
+    """Why an optional stage does not run in this recipe (None: it runs)."""
+    if stage == "regenerate" and not recipe.regenerate.enabled:
+        return "regenerate.enabled is false; skipped (capture reads data/)"
+    if stage == "capture" and online(recipe):
+        return ("train.online is true; skipped (train runs the target on the token shards itself, nothing is written to disk); "
+                "set train.online: false to capture")
+    return None
 
 
 def token_stage(recipe: Recipe, run_dir: Path) -> tuple[Path, str]:
@@ -75,7 +102,7 @@ def hash_bytes(b: bytes) -> str:
 
 
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
-    _, sections, _ = STAGE_DEPS[stage]
+    sections = sections_of(stage, recipe)
     up = {}
     for u in upstream_of(stage, recipe):
         m = load_manifest(stage_dir(run_dir, u))
@@ -105,8 +132,9 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
     write_recipe(recipe, run_dir)
     ledger = Ledger(run_dir)
     module_name = STAGE_DEPS[stage][0]
-    if stage == "regenerate" and not recipe.regenerate.enabled:
-        log("[regenerate] regenerate.enabled is false; skipped (capture reads data/)")
+    reason = skip_reason(stage, recipe)
+    if reason:
+        log(f"[{stage}] {reason}")
         return {}  # optional stage, off: no folder, no ledger entry
     for u in upstream_of(stage, recipe):
         if stage_status(run_dir, u) != "complete":

@@ -375,8 +375,9 @@ def collect(run_dir: str | Path) -> dict:
         raise DraftsmithError(f"{run_dir}: no such run directory; give the run_dir of a recipe (runs/NAME)")
     recipe = _read_recipe(run_dir)
     events = Ledger(run_dir).read()
-    # regenerate is optional: shown only when the run has used it
-    stages = [stage_state(run_dir, s, events) for s in STAGES if s != "regenerate" or stage_dir(run_dir, s).exists()]
+    # regenerate is optional: shown only when the run has used it; capture is skipped with train.online
+    optional = {"regenerate"} | ({"capture"} if (recipe.get("train") or {}).get("online") else set())
+    stages = [stage_state(run_dir, s, events) for s in STAGES if s not in optional or stage_dir(run_dir, s).exists()]
     for s in stages:
         s["fix_hint"] = fix_hint(s["error"]) if s["state"] == "failed" else None
     manifests = _manifests(run_dir)

@@ -7,9 +7,10 @@ decode per token and aux layer, float32 out, as `data.shards.read_shard` / `read
 With the same batch composition (capture.batch_tokens) the tensors are bit-identical to the
 offline ones, so training on them gives the same drafter.
 
-The train loop's use (train.online: true): keep the token index and batch plan it builds from
-data/ shards, and replace `index.batch(sample_ids)` by
-    online_batch(target, [token samples of sample_ids], recipe.capture.storage_dtype, recipe.capture.batch_tokens)
+The train loop's use (train/loop.py, train.online: true): it keeps the token index
+(train.data.TokenIndex) and batch plan it builds from data/ shards, and replaces
+`index.batch(sample_ids)` by
+    online_batch(target, index.samples(sample_ids), recipe.capture.storage_dtype, recipe.capture.batch_tokens)
 with `target = load_target(...)` loaded once next to the drafter.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Training data: an index over capture shards, a deterministic batch plan per epoch, padded batches.
+"""Training data: an index over capture shards (or token shards, online mode), a deterministic
+batch plan per epoch, padded batches.
 
 Capture shards can be far larger than memory (T x 3H hidden states), so the index keeps only
 token ids, loss masks and row ranges, and a batch reads its samples' hidden rows by slicing the
@@ -10,6 +11,12 @@ into chunks of CHUNK samples, sort a chunk by length (long first) and fill batch
 while batch_size * longest <= batch_tokens (padded tokens, at least one sample); then permute
 the batches with the same generator. The plan depends only on (lengths, batch_tokens, seed, e),
 so a data cursor (epoch, position in the plan) resumes exactly.
+
+Online mode (train.online) indexes prepare's token shards with `TokenIndex`: the same samples,
+cut and dropped by the same rule, in the same order as `CaptureIndex` over the capture of those
+shards (capture writes one shard per data shard, samples in source order), so the lengths and
+hence the batch plans are the same; the hidden states then come from the target's forward
+(target/online.py) instead of `CaptureIndex.batch`.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..artifacts import DraftsmithError
-from ..data.shards import length_batches, read_hidden_rows
+from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard
 
 CHUNK = 1024
 REQUIRED = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
@@ -111,6 +118,52 @@ class CaptureIndex:
             aux[r, :n] = a_rows
             fin[r, :n] = f_rows
         return Batch(ids, mask, aux, fin, sum(self.lengths[j] for j in sample_ids))
+
+
+class TokenIndex:
+    """Samples of token shards (prepare's data/ or regenerate's regen/), cut to max_length;
+    samples with no trainable row are dropped, as in CaptureIndex. `samples(ids)` gives the cut
+    token-only samples for the target's forward (online mode)."""
+
+    def __init__(self, paths: Sequence[Path], max_length: int):
+        self.paths = [Path(p) for p in paths]
+        self.max_length = int(max_length)
+        self.entries: list[tuple[int, int, int]] = []  # (shard, sample within the shard, length after cut)
+        self.input_ids: list[torch.Tensor] = []
+        self.loss_mask: list[torch.Tensor] = []
+        self.sample_index: list[int] = []
+        self.dropped = 0
+        for si, p in enumerate(self.paths):
+            for j, s in enumerate(read_shard(p, with_hidden=False)):
+                n = min(len(s), self.max_length)
+                if n < 3 or not bool(s.loss_mask[2:n].any()):
+                    self.dropped += 1
+                    continue
+                self.entries.append((si, j, n))
+                self.input_ids.append(s.input_ids[:n])
+                self.loss_mask.append(s.loss_mask[:n])
+                self.sample_index.append(s.sample_index)
+        self.lengths = [e[2] for e in self.entries]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def max_token_id(self) -> tuple[int, int]:
+        """(largest token id, index of a sample holding it); (-1, -1) when empty."""
+        best, where = -1, -1
+        for j, ids in enumerate(self.input_ids):
+            top = int(ids.max())
+            if top > best:
+                best, where = top, j
+        return best, where
+
+    def samples(self, sample_ids: Sequence[int]) -> list[Sample]:
+        """Token-only samples (cut to max_length), in the given order."""
+        return [Sample(self.input_ids[j], self.loss_mask[j], self.sample_index[j]) for j in sample_ids]
 
 
 def epoch_plan(lengths: Sequence[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:

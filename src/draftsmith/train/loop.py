@@ -1,6 +1,6 @@
 """The train stage: an EAGLE-3 drafter trained with training-time test on captured states.
 
-Reads capture/ (hidden-state shards), vocab/ (d2t, t2d) and, from the target, only its input
+Reads capture/ (hidden-state shards; online mode: data/ token shards, see below), vocab/ (d2t, t2d) and, from the target, only its input
 embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/step-NNNNNN/{state/*.safetensors,meta.json}, train/latest   (checkpoint.py, DCP)
     train/metrics.jsonl     one record per optimizer step (loss, CE/acc per TTT position, lr, grad norm)
@@ -15,6 +15,18 @@ loss (ttt.ttt_loss weight_total), so 1 and N ranks take the same optimizer steps
 A rerun after a crash continues from `latest` and reproduces the uninterrupted run's losses
 at any world size: the batch plan is a function of (seed, epoch), the cursor and the AdamW
 state are checkpointed, and the learning rate is a function of the step.
+
+Online mode (train.online: true) reads the token shards of prepare (data/, or regen/ when
+regenerate is on) instead of capture/, loads the whole target once next to the drafter
+(recipe.target: path, device, dtype, aux_layer_ids, device_map, ...), and gets each
+micro-batch's hidden states from its forward (target/online.py: capture's forward batching by
+capture.batch_tokens, rounded to capture.storage_dtype as a capture shard would hold them).
+The sample index, cuts, batch plan, cursor and checkpoints are those of the offline path, so
+for the same token shards and seed it trains the same drafter (bit-identical when the forward
+batches are the same, e.g. capture.batch_tokens 1) and resumes the same way. Under torchrun
+each rank runs its own target copy on its own micro-batches. Nothing is written for the
+hidden states; the manifest records `online: true`. A sample whose states hold NaN/inf is left
+out of its micro-batch (capture would not have stored it).
 """
 from __future__ import annotations
 
@@ -36,10 +48,10 @@ from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, 
 from ..config import Recipe
 from ..draft.build import drafter_config, init_drafter, read_target_embeddings
 from ..draft.model import Eagle3Drafter, save_drafter
-from ..target.model import resolve_dtype
+from ..target.model import Target, load_target, resolve_dtype
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
-from .data import CaptureIndex, epoch_plan
+from .data import CaptureIndex, TokenIndex, epoch_plan
 from .distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize
 from .flops import peak_flops, train_flops_per_token
 from .ttt import TTTLoss, position_weights, simulated_tau
@@ -156,6 +168,24 @@ def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | Non
     return sha
 
 
+def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
+    """The target for online training (recipe.target), on this rank's GPU under torchrun as in
+    capture; (target, load seconds). No tokenizer: the token shards are already tokenized."""
+    t = recipe.target
+    device_map = getattr(t, "device_map", None)
+    if device_map and info.world_size > 1:
+        raise DraftsmithError(f"target.device_map {device_map!r} with train.online under torchrun ({info.world_size} ranks): every rank "
+                              "would spread its own copy of the target over all GPUs; unset target.device_map (one target per rank) "
+                              "or capture offline (train.online: false)")
+    device = t.device
+    if info.world_size > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{info.local_rank}"
+    t0 = time.time()
+    target = load_target(t.path, device, t.dtype, t.trust_remote_code, t.aux_layer_ids, with_tokenizer=False,
+                         device_map=device_map, experts_implementation=t.experts_implementation)
+    return target, round(time.time() - t0, 3)
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
@@ -163,29 +193,33 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if k < 1 or tc.batch_tokens < 1 or tc.max_length < 3:
         raise DraftsmithError(f"train: ttt_steps {k}, batch_tokens {tc.batch_tokens}, max_length {tc.max_length}: "
                               "need ttt_steps >= 1, batch_tokens >= 1, max_length >= 3")
-    if tc.online:
-        # Seam for online mode: the target forward of target/online.py on data/ shards would
-        # replace CaptureIndex below (same aux_hidden/final_hidden per sample).
-        raise DraftsmithError("train.online: online training (target forward inside the loop) is not available yet; "
-                              "run `draftsmith capture` and set train.online: false")
     info = init_distributed(tc.device)
     main = info.is_main
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
-    cap_dir, vocab_dir, out_dir = (stage_dir(run_dir, s) for s in ("capture", "vocab", "train"))
-    cap_m = require_complete(cap_dir, "capture")
+    vocab_dir, out_dir = stage_dir(run_dir, "vocab"), stage_dir(run_dir, "train")
+    if tc.online:  # token shards in, the target's forward per micro-batch (target/online.py)
+        from ..pipeline import token_stage
+
+        src_dir, src_stage = token_stage(recipe, run_dir)
+    else:
+        src_dir, src_stage = stage_dir(run_dir, "capture"), "capture"
+    src_m = require_complete(src_dir, src_stage)
     vocab_m = require_complete(vocab_dir, "vocab")
     latest = find_latest(out_dir) if out_dir.exists() else None
     prev = load_manifest(out_dir)
     if prev is not None and prev.get("status") == "running" and prev["fingerprint"] == fp:
         manifest = prev
     else:
-        manifest = new_manifest("train", fp, {"draft": recipe.draft, "train": tc, "seed": recipe.seed},
-                                {"capture": cap_m["fingerprint"], "vocab": vocab_m["fingerprint"]})
+        config = {"draft": recipe.draft, "train": tc, "seed": recipe.seed}
+        if tc.online:  # the storage rounding and forward batching of the hidden states
+            config["capture"] = recipe.capture
+        manifest = new_manifest("train", fp, config, {src_stage: src_m["fingerprint"], "vocab": vocab_m["fingerprint"]})
+    manifest["online"] = bool(tc.online)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_manifest(out_dir, manifest)
     # Hashing every shard costs a full read of the capture; do it once (rank 0), not on each resume.
-    shard_paths = verify_shards(cap_dir, cap_m, check_hash=latest is None and main)
+    shard_paths = verify_shards(src_dir, src_m, check_hash=latest is None and main)
 
     # -- target tensors, vocab, drafter ----------------------------------------------------
     device = info.device
@@ -196,12 +230,23 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         raise DraftsmithError(f"{vocab_dir / VOCAB_FILE}: t2d covers {t2d.numel()} tokens, the target has {tcfg.vocab_size}; "
                               "rerun `draftsmith vocab --force`")
     hidden = int(tcfg.hidden_size)
-    if int(cap_m.get("hidden_size", hidden)) != hidden:
-        raise DraftsmithError(f"{cap_dir / 'manifest.json'}: hidden_size {cap_m['hidden_size']} differs from the target's {hidden}; "
-                              "the capture is from another model, rerun `draftsmith capture --force`")
-    aux_layer_ids = list(cap_m.get("aux_layer_ids") or [])
-    if not aux_layer_ids:
-        raise DraftsmithError(f"{cap_dir / 'manifest.json'}: no aux_layer_ids recorded; rerun `draftsmith capture --force`")
+    target = None
+    if tc.online:
+        target, load_s = _load_online_target(recipe, info)
+        manifest["timings"]["load_target_s"] = load_s
+        if target.hidden_size != hidden:
+            raise DraftsmithError(f"{recipe.target.path}: the loaded target's hidden size {target.hidden_size} differs from its "
+                                  f"config's {hidden}; check target.path")
+        aux_layer_ids = list(target.aux_layer_ids)
+        manifest.update(aux_layer_ids=aux_layer_ids, hidden_size=hidden, storage_dtype=recipe.capture.storage_dtype,
+                        source=src_stage)
+    else:
+        if int(src_m.get("hidden_size", hidden)) != hidden:
+            raise DraftsmithError(f"{src_dir / 'manifest.json'}: hidden_size {src_m['hidden_size']} differs from the target's {hidden}; "
+                                  "the capture is from another model, rerun `draftsmith capture --force`")
+        aux_layer_ids = list(src_m.get("aux_layer_ids") or [])
+        if not aux_layer_ids:
+            raise DraftsmithError(f"{src_dir / 'manifest.json'}: no aux_layer_ids recorded; rerun `draftsmith capture --force`")
     cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
     drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed).to(device)
     head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)  # target lm_head rows of the draft vocab
@@ -222,9 +267,27 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
     # -- data ------------------------------------------------------------------------------
-    index = CaptureIndex(shard_paths, tc.max_length, hidden, len(aux_layer_ids))
+    # Online: the same samples, cuts and order as a CaptureIndex over the capture of these token
+    # shards, so the batch plans below are the same; only where the hidden states come from differs.
+    if tc.online:
+        from ..target.online import online_batch
+
+        index = TokenIndex(shard_paths, tc.max_length)
+        top, where = index.max_token_id()
+        if top >= target.vocab_size:
+            si, j, _ = index.entries[where]
+            raise DraftsmithError(f"{index.paths[si]}: sample {j}: token id {top} >= the target's vocab_size {target.vocab_size}; the "
+                                  f"tokenizer in {recipe.target.path} does not belong to its model, fix the folder and rerun "
+                                  f"`draftsmith {src_stage} --force`")
+        storage, fwd_tokens = recipe.capture.storage_dtype, recipe.capture.batch_tokens
+
+        def next_batch(sample_ids):
+            return online_batch(target, index.samples(sample_ids), storage, fwd_tokens)
+    else:
+        index = CaptureIndex(shard_paths, tc.max_length, hidden, len(aux_layer_ids))
+        next_batch = index.batch
     if len(index) == 0:
-        raise DraftsmithError(f"{cap_dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
+        raise DraftsmithError(f"{src_dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
                               f"({index.dropped} dropped); check prepare's loss masks and max_length")
     train_ids, heldout_ids = heldout_split(len(index), tc.heldout_samples, recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
@@ -268,7 +331,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
             f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out), {sum(train_lengths)} tokens/epoch, "
             f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
-            f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}")
+            f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}"
+            + (f"; online: target forward on {target.device} ({str(target.dtype).replace('torch.', '')}), states rounded to "
+               f"{recipe.capture.storage_dtype}, read from {src_dir}" if tc.online else ""))
 
     writer = metrics_file = eval_file = bar = None
     if main:
@@ -297,7 +362,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         with torch.no_grad():
             for r in range(math.ceil(len(batches) / info.world_size)):
                 j = r * info.world_size + info.rank
-                batch = index.batch(batches[j if j < len(batches) else 0]).to(device)
+                batch = next_batch(batches[j if j < len(batches) else 0]).to(device)
                 with autocast:
                     out = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden, head_weight, wt)
                 if j < len(batches):
@@ -326,7 +391,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
             sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
             for mi, ids in enumerate(mine):
-                batch = index.batch(ids).to(device)
+                batch = next_batch(ids).to(device)
                 if is_sharded(model):  # reduce-scatter gradients once, after the last micro-batch
                     model.set_requires_gradient_sync(mi == len(mine) - 1)
                 with autocast:
@@ -350,9 +415,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 if main:
                     log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({in_a_row} in a row)")
                 if in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                    fix = ("check target.dtype (float16 overflows: use bfloat16 or float32)" if tc.online else
+                           "check capture/ for NaN/inf hidden states (rerun `draftsmith capture --force`)")
                     raise DraftsmithError(f"{index.paths[si]}: {in_a_row} training steps in a row had a non-finite loss or gradient "
-                                          f"(last at step {step}); check capture/ for NaN/inf hidden states (rerun `draftsmith capture --force`) "
-                                          "or lower train.lr")
+                                          f"(last at step {step}); {fix} or lower train.lr")
 
             ce, correct, weight = sums[1:1 + k].tolist(), sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
             rec = {"step": step, "loss": loss, "ce": ce, "correct": correct, "weight": weight,
