@@ -54,10 +54,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
     return _inv_freq(int(head_dim), float(theta), json.dumps(scaling or None, sort_keys=True), int(max_position_embeddings))
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq_on(head_dim: int, theta: float, scaling_json: str, max_position_embeddings: int,
+                 device: str) -> tuple[torch.Tensor, float]:
+    """_inv_freq, already on `device` (no host-to-device copy per call: CUDA graphs capture the
+    drafter's steps, and a capture may not copy from pageable host memory)."""
+    inv_freq, scale = _inv_freq(head_dim, theta, scaling_json, max_position_embeddings)
+    return inv_freq.to(device), scale
+
+
 def rope_cos_sin(position_ids: torch.Tensor, cfg, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, T, head_dim] (HF 'rotate_half' layout) for integer positions [B, T] and an
     Eagle3Config (head_dim, rope_theta, rope_scaling, max_position_embeddings)."""
-    inv_freq, scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)
+    inv_freq, scale = _inv_freq_on(int(cfg.head_dim), float(cfg.rope_theta), json.dumps(cfg.rope_scaling or None, sort_keys=True),
+                                   int(cfg.max_position_embeddings), str(position_ids.device))
+    freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

@@ -100,18 +100,23 @@ class Graphed:
 
 def graph_safe_experts(model: torch.nn.Module) -> bool:
     """MoE targets: CUDA graphs need an expert kernel without host syncs. transformers' eager
-    experts loop over the experts that got tokens (a host sync), so an eager one is switched to
-    grouped_mm, else batched_mm. False (and a log line) when none can be set: run without graphs."""
+    experts loop over the experts that got tokens, and grouped_mm outside bf16 takes a fallback,
+    both syncing the host; such a target is switched to grouped_mm (bf16) or batched_mm. False
+    (and a log line) when none can be set: the run uses static caches without graphs."""
     from ..artifacts import log
 
     impl = getattr(model.config, "_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", lambda: False)
-    if impl != "eager" or not can_set():
+    if impl not in ("eager", "grouped_mm") or not can_set():
         return True
-    for cand in ("grouped_mm", "batched_mm"):
+    # torch's grouped_mm kernel is bf16; other dtypes take a fallback that syncs the host
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    if impl == "grouped_mm" and bf16:
+        return True
+    for cand in (("grouped_mm", "batched_mm") if bf16 else ("batched_mm",)):
         try:
             model.set_experts_implementation(cand)
-            log(f"[fast] MoE experts: eager -> {cand} (CUDA graphs need an expert kernel without host syncs)")
+            log(f"[fast] MoE experts: {impl} -> {cand} (CUDA graphs need an expert kernel without host syncs)")
             return True
         except (ValueError, ImportError, RuntimeError):
             continue
