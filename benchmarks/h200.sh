@@ -22,7 +22,7 @@ for s in $STEPS; do case $s in
              cp /tmp/ref/training.json "$OUT/reference_training.json" ;;
   random)    step random 80 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
                --out /tmp/ref --max_minutes 0 --max_val_tokens 20000 ;;
-  pipeline)  step pipeline "${PIPELINE_LIMIT:-300}" python3 -m draftsmith.cli run benchmarks/recipes/h200.yaml
+  pipeline)  step pipeline "${PIPELINE_LIMIT:-300}" python3 -m draftsmith.cli run benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-}
              for f in eval/results.json eval/report.md eval/acceptance.png train/metrics.jsonl; do
                cp "/tmp/runs/h200/$f" "$OUT/$(echo "$f" | tr / _)" 2>/dev/null; done
              python3 -m draftsmith.cli status /tmp/runs/h200 --json > "$OUT/status.json" 2>&1
