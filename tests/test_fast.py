@@ -133,3 +133,17 @@ def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
     monkeypatch.setattr(llama, "apply_rotary_pos_emb", llama.apply_rotary_pos_emb)
     assert compile_regions(target.model) > 0 and compile_regions(target.model) == 0
     assert FastTarget(target, "static").plain(PROMPTS[:2], 8) == ref
+
+
+def test_auto_falls_back_to_eager_where_the_fast_path_cannot_run(tmp_path, monkeypatch):
+    """A target with sliding-window layers (gpt-oss) has no plain static cache: an explicit fast
+    mode is a clear error; `auto` (graphs on a GPU, simulated here) falls back to eager decoding."""
+    from draftsmith import evaluate
+
+    path = make_model_dir(tmp_path, arch="gpt_oss", num_layers=2)
+    target = load_target(path, device="cpu", dtype="float32")
+    with pytest.raises(DraftsmithError, match="sliding-window"):
+        evaluate.Paths(target, None, "static").get(1)
+    monkeypatch.setattr(evaluate, "resolve_mode", lambda mode, device: "static" if mode == "auto" else mode)
+    paths = evaluate.Paths(target, None, "auto")
+    assert paths.get(1) == (None, None) and paths.mode == "off"

@@ -118,20 +118,38 @@ def method_depth(cfg, method: str) -> int:
 class Paths:
     """The decoding path every measurement of one evaluate run shares (evaluate.fast): per batch
     size a FastTarget and a FastDraft (static caches, graphs captured once and reused), or
-    neither (eager)."""
+    neither (eager). With `auto`, a target the fast path cannot run (sliding-window layers, a
+    target spread over several GPUs) falls back to eager with a log line; an explicit mode errs."""
 
     def __init__(self, target=None, drafter=None, mode: str = "off"):
-        self.target_model, self.drafter = target, drafter
+        self.target_model, self.drafter, self.requested = target, drafter, mode
         self.mode = resolve_mode(mode, target.device) if target is not None else "off"
+        if self.mode in ("graphs", "compile") and len(_devices(target.model)) > 1:
+            if mode != "auto":
+                raise DraftsmithError(f"evaluate.fast {mode!r}: the target is spread over {len(_devices(target.model))} "
+                                      "devices (target.device_map) and CUDA graphs need one; use fast: static or off")
+            log("[evaluate] fast path: the target spans several GPUs; static caches without CUDA graphs")
+            self.mode = "static"
         self._by_batch: dict[int, tuple] = {}
 
     def get(self, batch: int) -> tuple[Optional[FastTarget], Optional[FastDraft]]:
         if self.mode == "off":
             return None, None
         if batch not in self._by_batch:
-            ft = FastTarget(self.target_model, self.mode, batch_size=batch)
+            try:
+                ft = FastTarget(self.target_model, self.mode, batch_size=batch)
+            except DraftsmithError as e:
+                if self.requested != "auto":
+                    raise
+                log(f"[evaluate] fast path unavailable ({e}); eager decoding for plain and every method")
+                self.mode = "off"
+                return None, None
             self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs))
         return self._by_batch[batch]
+
+
+def _devices(model) -> set:
+    return {p.device for p in model.parameters()}
 
 
 EAGER = Paths()
