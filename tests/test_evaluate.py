@@ -137,3 +137,13 @@ def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):
     recipe.evaluate.fast = "graphs"
     with pytest.raises(DraftsmithError, match="evaluate.fast 'graphs' needs a CUDA device"):
         pipeline.run_stage("evaluate", recipe)
+
+
+def test_divergence_classes():
+    """A divergence is a bug only when an independent forward sides with plain decoding."""
+    tol = evaluate.TIE_TOLERANCE[torch.bfloat16]
+    assert evaluate.classify_divergence((0.0, tol / 2), torch.bfloat16) == "tie"
+    assert evaluate.classify_divergence((3 * tol, 2 * tol), torch.bfloat16) == "numeric"
+    assert evaluate.classify_divergence((0.0, 2 * tol), torch.bfloat16) == "bug"
+    assert evaluate.classify_divergence(None, torch.bfloat16) == "bug"  # one side ended early
+    assert evaluate.classify_divergence((0.0, 1e-3), torch.float32) == "bug"  # fp32 tolerance is 1e-5

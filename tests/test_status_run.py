@@ -46,6 +46,8 @@ def test_status_of_a_real_run(tmp_path, capsys):
     facts = {f["label"]: f for f in st["discoveries"]}
     assert facts["τ (tokens per target verification)"]["value"] == ev["tau"]
     assert facts["measured speedup"]["value"] == ev["speedup"]
+    assert facts["decoding path of every speedup (plain and speculative alike)"]["value"] == "off"  # CPU: eager
+    assert facts["plain decoding, fraction of the memory-bandwidth limit"]["value"] == ev["plain_decode_bw_fraction"] > 0
     assert facts["decoder layers"]["value"] == 4 and facts["MTP layers"]["value"] == 0
     assert facts["aux layers captured"]["value"] == load_manifest(run / "capture")["aux_layer_ids"]
     assert "predicted speedup (batch 1, k=2)" in facts or "planner prediction" in facts

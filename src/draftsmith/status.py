@@ -342,6 +342,10 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
          and m["metrics"].get("tokens_per_s_plain") is not None else None,
          "metrics.tokens_per_s_spec, metrics.tokens_per_s_plain"),
         ("evaluate", "measured speedup", lambda m: m["metrics"].get("speedup"), "metrics.speedup"),
+        ("evaluate", "decoding path of every speedup (plain and speculative alike)", lambda m: m["metrics"].get("path"),
+         "metrics.path"),
+        ("evaluate", "plain decoding, fraction of the memory-bandwidth limit",
+         lambda m: m["metrics"].get("plain_decode_bw_fraction"), "metrics.plain_decode_bw_fraction"),
     ]
     for stage, label, get, key in figures:
         if stage in manifests:
