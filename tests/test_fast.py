@@ -147,3 +147,17 @@ def test_auto_falls_back_to_eager_where_the_fast_path_cannot_run(tmp_path, monke
     monkeypatch.setattr(evaluate, "resolve_mode", lambda mode, device: "static" if mode == "auto" else mode)
     paths = evaluate.Paths(target, None, "auto")
     assert paths.get(1) == (None, None) and paths.mode == "off"
+
+
+def test_sampling_on_static_caches_matches_eager(target):
+    """temperature > 0: the same generator seed gives the same sampled speculative output on the
+    static path as on the eager one (same logits up to float rounding, same uniform draws)."""
+    drafter = make_drafter(target, draft_vocab=200, seed=4).to(DEVICE)
+    outs = []
+    for fast in (None, FastTarget(target, "static")):
+        g = torch.Generator(device=DEVICE).manual_seed(7)
+        prop = Eagle3Proposer(drafter, topk=1, budget=3, temperature=0.8, generator=g,
+                              fast=None if fast is None else FastDraft(drafter, graphs=False))
+        outs.append(generate(target, prop, [PROMPTS[0], PROMPTS[2]], 20, depth=3, temperature=0.8, generator=g, fast=fast))
+    (a, sa), (b, sb) = outs
+    assert a == b and [s.accepted_per_round for s in sa] == [s.accepted_per_round for s in sb]
