@@ -161,3 +161,25 @@ def test_sampling_on_static_caches_matches_eager(target):
         outs.append(generate(target, prop, [PROMPTS[0], PROMPTS[2]], 20, depth=3, temperature=0.8, generator=g, fast=fast))
     (a, sa), (b, sb) = outs
     assert a == b and [s.accepted_per_round for s in sa] == [s.accepted_per_round for s in sb]
+
+
+def test_graphed_falls_back_to_eager_when_capture_fails(capsys):
+    """A call whose capture fails (here: no CUDA at all) runs eagerly, now and later, with one log line;
+    an error of fn itself still surfaces."""
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        if x.sum() < 0:
+            raise ValueError("negative")
+        return x * 2
+
+    g = Graphed(fn, enabled=True)
+    if CUDA:
+        pytest.skip("capture works here")
+    assert g(torch.ones(1, 3)).sum() == 6 and g(torch.ones(1, 3)).sum() == 6
+    printed = capsys.readouterr()
+    assert (printed.out + printed.err).count("CUDA graph capture") == 1
+    assert list(g.graphs.values()) == [None]
+    with pytest.raises(ValueError, match="negative"):
+        g(-torch.ones(2, 3))

@@ -112,15 +112,12 @@ class Eagle3Proposer:
         ids = d.draft_to_target(torch.arange(q_draft.shape[-1], device=q_draft.device))
         return q.index_copy_(-1, ids, q_draft.float())
 
-    @torch.inference_mode()
-    def propose(self, max_depth: list[int]) -> list[DraftTree]:
-        d, dev, B = self.drafter, self.device, len(max_depth)
-        D = max(max_depth)
-        if D <= 0:
-            return [DraftTree() for _ in max_depth]
-        sampled = self.temperature > 0 and self.topk == 1
-        K = self.topk
-        past = self.cache.length
+    def _expand(self, K: int, D: int, sampled: bool, step, g_last: torch.Tensor, rows: torch.Tensor):
+        """EAGLE-2 expansion to depth D: (toks, scores, parents) [B, n_cand] over every candidate in
+        creation order (parents first), and q_all [B, n_cand, V] when sampling. `step(tok, hidden,
+        pos, anc, fed)` is one drafter forward whose rows go behind the `fed` drafting rows already
+        written; with a graph-safe step the whole function is tensor ops (FastDraft graphs it)."""
+        d, B, dev = self.drafter, g_last.shape[0], g_last.device
 
         def children(g: torch.Tensor, logits: Optional[torch.Tensor] = None):
             """top-k (or one sampled) draft ids per row, their log-probs, their q over the target vocab."""
@@ -132,26 +129,25 @@ class Eagle3Proposer:
             logp, idx = torch.log_softmax(logits, -1).topk(K, dim=-1)
             return idx, logp, None
 
-        # candidates, in creation order (parents first): target token, cumulative score, parent, depth
-        idx, logp, q = children(self.g_last)                                  # [B, K]
+        idx, logp, q = children(g_last)                                       # [B, K]
         toks, scores = [d.draft_to_target(idx)], [logp]
-        parents, depths = [torch.full((B, K), -1, device=dev)], [1]
+        parents = [torch.full((B, K), -1, device=dev)]
         qs = [q[:, None].expand(B, K, -1)] if sampled else None
         front = torch.arange(K, device=dev)[None].expand(B, K)               # global candidate index
-        front_score, front_g = logp, self.g_last[:, None].expand(B, K, -1)
+        front_score, front_g = logp, g_last[:, None].expand(B, K, -1)
         front_anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)       # fed ancestors
+        eye = torch.eye(K, dtype=torch.bool, device=dev)[None].expand(B, K, K)
         n_cand = K
         for depth in range(2, D + 1):
             tok = torch.cat(toks, 1).gather(1, front)
-            anc = torch.cat([front_anc, torch.eye(K, dtype=torch.bool, device=dev)[None].expand(B, K, K)], -1)
-            pos = (self.rows + depth - 2)[:, None].expand(B, K)
-            g, logits = self._step(tok, front_g, pos, anc, past)
+            anc = torch.cat([front_anc, eye], -1)
+            pos = (rows + depth - 2)[:, None].expand(B, K)
+            g, logits = step(tok, front_g, pos, anc, (depth - 2) * K)
             idx, logp, q = children(g, logits)                                # [B, K, K]
             cum = (front_score[:, :, None] + logp).reshape(B, K * K)
             toks.append(d.draft_to_target(idx).reshape(B, K * K))
             scores.append(cum)
             parents.append(front[:, :, None].expand(B, K, K).reshape(B, K * K))
-            depths.append(depth)
             if sampled:
                 qs.append(q)
             best = cum.topk(K, dim=-1).indices                               # next frontier: best K children
@@ -159,14 +155,52 @@ class Eagle3Proposer:
             front = n_cand + best
             front_score = cum.gather(1, best)
             front_g = g.gather(1, row[:, :, None].expand(-1, -1, g.shape[-1]))
-            fed = anc.gather(1, row[:, :, None].expand(-1, -1, anc.shape[-1]))
-            front_anc = fed  # the parent's ancestors and the parent itself
+            front_anc = anc.gather(1, row[:, :, None].expand(-1, -1, anc.shape[-1]))  # parent's ancestors + parent
             n_cand += K * K
-        self.cache.crop(past)  # drop the drafting rows
-
-        toks, scores, parents = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
-        depth_of = [dd for i, dd in enumerate(depths) for _ in range(K if i == 0 else K * K)]
         q_all = torch.cat([x.reshape(B, -1, x.shape[-1]) for x in qs], 1) if sampled else None
+        return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), q_all
+
+    def graph_step(self, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor):
+        """A `step` for `_expand` on the static cache with no host values: the mask is built on the
+        device from start/end/past (a 0-d tensor) and the rows are written at past + fed."""
+        c, d = self.cache, self.drafter
+        cols = torch.arange(c.size, device=past.device)
+        committed = (cols >= start[:, None]) & (cols < end[:, None])
+
+        def step(tok, hidden, pos, anc, fed):
+            B, T = tok.shape
+            mask = committed[:, None, :].expand(B, T, c.size).clone()
+            mask.index_copy_(2, past + torch.arange(anc.shape[-1], device=past.device), anc)
+            c.write_at.copy_(past + fed)
+            g = d(tok, hidden, pos, c, attn_mask=mask)
+            return g, d.logits(g)
+        return step
+
+    @torch.inference_mode()
+    def propose(self, max_depth: list[int]) -> list[DraftTree]:
+        B = len(max_depth)
+        D = max(max_depth)
+        if D <= 0:
+            return [DraftTree() for _ in max_depth]
+        sampled = self.temperature > 0 and self.topk == 1
+        K = self.topk
+        past = self.cache.length
+        if self.fast is not None and not sampled:  # the whole expansion: one graph per (batch, K, D)
+            if past + (D - 1) * K >= self.cache.size:
+                self.cache = self.fast.grow(self.cache, past + (D - 1) * K + 1)
+            past_t = torch.tensor(past, device=self.device)
+            toks, scores, parents = self.fast.expansion(self, K, D)(self.g_last, self.rows, self.start_col,
+                                                                    self.end_col, past_t)
+            q_all = None
+        else:
+            def step(tok, hidden, pos, anc, fed):
+                return self._step(tok, hidden, pos, anc, past)
+            toks, scores, parents, q_all = self._expand(K, D, sampled, step, self.g_last, self.rows)
+        self.cache.crop(past)  # drop the drafting rows
+        depths = [1] + list(range(2, D + 1))
+        n_cand = K + (D - 1) * K * K
+        toks, scores, parents = (x.tolist() for x in (toks, scores, parents))
+        depth_of = [dd for i, dd in enumerate(depths) for _ in range(K if i == 0 else K * K)]
         trees = []
         for b in range(B):
             ok = [i for i in range(n_cand) if depth_of[i] <= max_depth[b]]

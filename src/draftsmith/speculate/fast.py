@@ -71,9 +71,21 @@ class Graphed:
         if not self.enabled or (xs[0].dim() > 1 and xs[0].shape[1] > self.max_rows):
             return self.fn(*xs)
         key = tuple((tuple(x.shape), x.dtype) for x in xs)
-        entry = self.graphs.get(key)
-        if entry is None:
-            return self._capture(key, xs)
+        entry = self.graphs.get(key, False)
+        if entry is False:
+            try:
+                return self._capture(key, xs)
+            except Exception as e:  # fn cannot be captured: run it eagerly from now on (a real error recurs there)
+                from ..artifacts import log
+
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                log(f"[fast] CUDA graph capture of {getattr(self.fn, '__qualname__', self.fn)} failed "
+                    f"({str(e).splitlines()[0][:160]}); that call runs eagerly")
+                self.graphs[key] = None
+                return self.fn(*xs)
+        if entry is None:  # capture failed before
+            return self.fn(*xs)
         static_in, graph, out = entry
         for s, x in zip(static_in, xs):
             s.copy_(x, non_blocking=True)
@@ -380,6 +392,7 @@ class FastDraft:
         self.drafter, self.graphs, self.max_rows = drafter, graphs, max_rows
         self.cache: Optional[StaticDraftCache] = None
         self.step = Graphed(self._step, graphs, max_rows)
+        self.expansions: dict[tuple, Graphed] = {}
 
     def reset(self, batch_size: int, needed: int) -> StaticDraftCache:
         """An empty cache for a new generation (the old buffers when they are big enough)."""
@@ -403,6 +416,18 @@ class FastDraft:
         S = -(-(needed + 256) // 256) * 256
         self.cache = StaticDraftCache(batch_size, S, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
         self.step = Graphed(self._step, self.graphs, self.max_rows)
+        self.expansions: dict[tuple, Graphed] = {}
+
+    def expansion(self, proposer: Any, K: int, D: int) -> Graphed:
+        """The proposer's whole top-K expansion to depth D (every drafter step, top-k and frontier
+        choice) as one graphed call: (g_last, rows, start, end, past) -> (toks, scores, parents)."""
+        if (K, D) not in self.expansions:
+            def fn(g_last, rows, start, end, past):
+                toks, scores, parents, _ = proposer._expand(K, D, False, proposer.graph_step(start, end, past),
+                                                            g_last, rows)
+                return toks, scores, parents
+            self.expansions[(K, D)] = Graphed(fn, self.graphs)
+        return self.expansions[(K, D)]
 
     def _step(self, ids, hidden, pos, mask, write_at):
         self.cache.write_at.copy_(write_at)
