@@ -5,7 +5,8 @@ target and a random drafter, profiles it with torch.profiler, and counts the top
 the calls that `Graphed` would replay as CUDA graphs, views left out. On a GPU each of these is a
 kernel launch or a small copy issued by the host every round.
 
-    python benchmarks/count_host_ops.py
+    python benchmarks/count_host_ops.py            # batch 1
+    python benchmarks/count_host_ops.py --batch4   # a batch of 4 prompts
 """
 from __future__ import annotations
 
@@ -45,20 +46,21 @@ def main() -> int:
         with torch.profiler.record_function("GRAPHED"):
             return call(self, *xs)
     fast.Graphed.__call__ = marked
-    prompt = list(range(1, 40))
+    prompts = [list(range(1, 40))] if "--batch4" not in sys.argv else [list(range(1, 40 + 7 * i)) for i in range(4)]
     methods = {"chain k=5": lambda: Eagle3Proposer(drafter, topk=1, budget=5, fast=fd),
                "tree 16": lambda: Eagle3Proposer(drafter, topk=4, budget=16, fast=fd),
                "ngram": lambda: PerSequence([NgramProposer(3)])}
     for name, make in methods.items():
-        generate(target, make(), [prompt], 8, depth=5, fast=ft)  # warm-up
+        make_b = (lambda: PerSequence([NgramProposer(3) for _ in prompts])) if name == "ngram" else make
+        generate(target, make_b(), prompts, 8, depth=5, fast=ft)  # warm-up
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            _, stats = generate(target, make(), [prompt], 64, depth=5, fast=ft)
+            _, stats = generate(target, make_b(), prompts, 64, depth=5, fast=ft)
         rounds = stats[0].rounds
         top = [e for e in prof.events() if e.cpu_parent is None]
         ops = [e for e in top if e.name != "GRAPHED" and e.name not in VIEWS]
         graphed = sum(e.name == "GRAPHED" for e in top)
-        print(f"{name}: {rounds} rounds, {graphed / rounds:.1f} graphed calls and {len(ops) / rounds:.1f} other "
-              f"non-view ops per round; most: {Counter(e.name for e in ops).most_common(6)}")
+        print(f"{name}, batch {len(prompts)}: {rounds} rounds, {graphed / rounds:.1f} graphed calls and "
+              f"{len(ops) / rounds:.1f} other non-view ops per round; most: {Counter(e.name for e in ops).most_common(6)}")
     return 0
 
 

@@ -46,6 +46,7 @@ class Eagle3Proposer:
         self.cache = DraftKVCache() if self.fast is None else self.fast.reset(B, max(map(len, tokens)))
         self.start_col = torch.zeros(B, dtype=torch.long, device=dev)
         self.end_col = torch.zeros(B, dtype=torch.long, device=dev)
+        self.end_host = [0] * B  # end_col on the host: bookkeeping without device reads
         self.rows = torch.zeros(B, dtype=torch.long, device=dev)  # committed rows = committed tokens - 1
         self.g_last = torch.zeros(B, self.drafter.cfg.hidden_size, dtype=self.drafter.fc.weight.dtype, device=dev)
         self._feed([t[1:] for t in tokens], outs)
@@ -78,15 +79,19 @@ class Eagle3Proposer:
         bs, src, dst = [], [], []
         for b in range(B):
             if n[b]:
-                self.g_last[b] = g[b, n[b] - 1]
-                e = int(self.end_col[b])
+                e = self.end_host[b]
                 bs += [b] * n[b]
                 src += list(range(past, past + n[b]))
                 dst += list(range(e, e + n[b]))
-        n_t = torch.tensor(n, device=dev)
-        self.end_col += n_t
-        self.rows += n_t
-        move_rows(self.cache, bs, src, dst, int(self.end_col.max()))
+                self.end_host[b] = e + n[b]
+        # g_last[b] = g[b, n_b - 1] where n_b > 0, in one gather (no per-sequence device writes)
+        last = torch.tensor([[max(k - 1, 0), int(k > 0)] for k in n], device=dev)
+        picked = g.gather(1, last[:, :1, None].expand(-1, 1, g.shape[-1]))[:, 0]
+        self.g_last = torch.where(last[:, 1:].bool(), picked.to(self.g_last.dtype), self.g_last)
+        n_t = last.new_tensor(n)
+        self.end_col = self.end_col + n_t
+        self.rows = self.rows + n_t
+        move_rows(self.cache, bs, src, dst, max(self.end_host))
 
     def _step(self, ids, hidden, pos, anc, mask_past: int):
         """One drafter forward over rows written behind the cache's rows; they see the committed

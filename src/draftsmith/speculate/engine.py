@@ -428,7 +428,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     tokens = [list(p) + [_pick(out.logits[b, -1], temperature, generator)] for b, p in enumerate(prompts)]
     new = [[t[-1]] for t in tokens]
     done = [len(n) >= max_new_tokens or n[-1] in eos_ids for n in new]
-    start, end = pad.clone(), torch.full((B,), P, device=dev)
+    start, end = pad.cpu(), torch.full((B,), P)  # host bookkeeping: no device reads per sequence
     if proposer is not None and not all(done):
         timed("draft_s", proposer.start, tokens,
               [_rows(out, b, torch.arange(int(pad[b]), P, device=dev)) for b in range(B)])
@@ -449,8 +449,8 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             depth_of[b, 1:1 + len(t)] = torch.tensor(t.depths(), dtype=torch.long)
         past = runner.past
         committed_len = end - start
-        out = timed("target_s", runner.verify, verify_in.to(dev), committed_len[:, None] + depth_of.to(dev), start, end,
-                    _tree_ancestry(trees, N, dev), n_rows)
+        out = timed("target_s", runner.verify, verify_in.to(dev), (committed_len[:, None] + depth_of).to(dev),
+                    start.to(dev), end.to(dev), _tree_ancestry(trees, N, dev), n_rows)
 
         if temperature <= 0:
             greedy = out.logits.argmax(-1).tolist()
@@ -487,7 +487,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             commits.append([] if done[b] else committed)
             outs.append(None if done[b] else _rows(out, b, torch.tensor(rows, device=dev)))
         # Keep the root and the accepted path of every sequence, behind its committed rows.
-        runner.keep(move_b, move_src, move_dst, int(end.max()), B * n_rows)
+        runner.keep(move_b, move_src, move_dst, int(end.max()), B * n_rows)  # end is on the host
         if proposer is not None and not all(done):
             timed("draft_s", proposer.commit, commits, outs)
 
