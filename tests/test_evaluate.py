@@ -124,6 +124,8 @@ def test_evaluate_on_static_caches(recipe):
     m = pipeline.run_stage("evaluate", recipe)
     met = m["metrics"]
     assert met["path"] == "static" and m["step_costs"]["path"] == "static"
+    sc = m["step_costs"]  # the engine's time beyond forwards, for the planner
+    assert isinstance(sc["round_overhead_ms"], float) and isinstance(sc["plain_overhead_ms"], float)
     res = read_json(recipe.run_dir + "/eval/results.json")
     assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())
     assert all(r["identical"] == 2 for b in res["batches"] for r in b["methods"].values())

@@ -142,3 +142,19 @@ def test_plan_cli_and_run_dir(tmp_path, capsys):
     assert k3["speedup"] == pytest.approx((1 + 0.8 + 0.48 + 0.24) * 10.0 / (3 * 0.8 + 11.0), abs=1e-4)
     assert json.loads((run / "plan.json").read_text())["rows"] == res["rows"]
     assert main(["plan", "--batch_sizes", "[1]"]) == 2  # no target, no run: a one-line error
+
+
+def test_measured_engine_overheads_enter_every_step():
+    """round_overhead_ms (per speculative round) and plain_overhead_ms (per plain token), as evaluate
+    measures them, are added to the step times: golden values."""
+    from draftsmith.plan import predict
+
+    costs = {"target_forward_ms": {"1": 10.0, "8": 12.0}, "draft_step_ms": 1.0}
+    base = predict([0.5] * 4, costs, [1], ks=[3], tree_budgets=[])["rows"][0]
+    both = predict([0.5] * 4, {**costs, "round_overhead_ms": 2.0, "plain_overhead_ms": 0.5}, [1], ks=[3],
+                   tree_budgets=[])["rows"][0]
+    verify4 = 10.0 + 2.0 * 3 / 7  # interpolated 4-token forward
+    assert base["step_ms"] == pytest.approx(3 * 1.0 + verify4, abs=1e-3)
+    assert both["step_ms"] == pytest.approx(3 * 1.0 + verify4 + 2.0, abs=1e-3)
+    e = 1 + 0.5 + 0.25 + 0.125
+    assert both["speedup"] == pytest.approx(e * 10.5 / (3 + verify4 + 2.0), abs=1e-3)

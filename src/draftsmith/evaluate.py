@@ -353,6 +353,25 @@ def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, pa
             "path": paths.mode, "target_forward_ms": forward_ms, "draft_step_ms": row[1], "draft_step_ms_4_rows": row[4]}
 
 
+def overheads(summary: dict, step_costs: dict, cfg) -> dict:
+    """The engine's time beyond the planner's cost model, from this run's batch-1 measurements:
+    round_overhead_ms = chain ms per round - (k drafter steps + one (k+1)-token forward);
+    plain_overhead_ms = plain ms per token - one 1-token forward. (plan.MeasuredCost adds them.)"""
+    from .plan import MeasuredCost
+
+    cost = MeasuredCost.from_json(step_costs)
+    out = {}
+    p = summary["plain"]
+    if p["new_tokens"]:
+        out["plain_overhead_ms"] = round(1000 * p["plain_s"] / p["new_tokens"] - cost.verify_ms(1), 4)
+    chain = summary["methods"].get("eagle3_chain", {}).get("overall")
+    if chain and chain["rounds"]:
+        k = cfg.draft_steps
+        out["round_overhead_ms"] = round(1000 * chain["spec_s"] / chain["rounds"]
+                                         - (k * cost.draft_step_ms + cost.verify_ms(k + 1)), 4)
+    return out
+
+
 def measure_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Device memory bandwidth by a large copy (bytes read + written per second), GB/s."""
     n = nbytes // 2 if device.type == "cuda" else nbytes // 16
@@ -691,6 +710,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], paths=paths) \
         if cfg.step_costs and rendered else None
     summary = summarize(records, batch_records, cfg, methods)
+    if step_costs:
+        step_costs.update(overheads(summary, step_costs, cfg))
     summary["path"] = paths.mode
     summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
     atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,

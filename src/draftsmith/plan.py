@@ -280,18 +280,24 @@ class MeasuredCost:
 
     target_forward_ms: dict[int, float]
     draft_step_ms: float
+    round_overhead_ms: float = 0.0
+    """Per speculative round, what the engine spends beyond k drafter steps and one verification
+    forward (host work, the committed-row feed): evaluate measures it on the chain it ran."""
+    plain_overhead_ms: float = 0.0
+    """Per plain decoding step, beyond one target forward (evaluate measures it too)."""
 
     @classmethod
     def from_json(cls, d: dict, where: str = "step_costs") -> "MeasuredCost":
         try:
             pts = {int(k): float(v) for k, v in d["target_forward_ms"].items()}
             draft = float(d.get("draft_step_ms") or 0.0)
+            rnd, plain = float(d.get("round_overhead_ms") or 0.0), float(d.get("plain_overhead_ms") or 0.0)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DraftsmithError(f"{where}: expected {{'target_forward_ms': {{'1': ms, ...}}, 'draft_step_ms': ms}} "
                                   f"({type(e).__name__}: {e}); rerun evaluate or fix the file") from None
         if 1 not in pts:
             raise DraftsmithError(f"{where}: target_forward_ms has no entry for 1 token (plain decoding); measure it")
-        return cls(pts, draft)
+        return cls(pts, draft, max(rnd, 0.0), max(plain, 0.0))
 
     def verify_ms(self, tokens: int, batch: int = 1) -> float:
         xs = sorted(self.target_forward_ms)
@@ -394,21 +400,22 @@ def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], 
     if isinstance(cost, dict):
         cost = MeasuredCost.from_json(cost)
     rows = []
+    overhead = getattr(cost, "round_overhead_ms", 0.0)  # measured engine time per round (MeasuredCost)
     for b in batch_sizes:
-        plain = cost.verify_ms(b, b)
+        plain = cost.verify_ms(b, b) + getattr(cost, "plain_overhead_ms", 0.0)
         draft = cost.draft_ms(b)
         for k in ks:
             e = expected_tokens(profile(accept, k))
-            rows.append(_row("eagle3-chain", b, e, k * draft + cost.verify_ms(b * (k + 1), b), plain, k=k,
+            rows.append(_row("eagle3-chain", b, e, k * draft + cost.verify_ms(b * (k + 1), b) + overhead, plain, k=k,
                              verified_tokens=k + 1))
         for n in tree_budgets:
             e, depth, width = tree_tokens(accept, n - 1)
             # one drafter step per level, each over the widest level's rows
-            step = depth * cost.draft_ms(b * width) + cost.verify_ms(b * n, b)
+            step = depth * cost.draft_ms(b * width) + cost.verify_ms(b * n, b) + overhead
             rows.append(_row("eagle3-tree", b, e, step, plain, budget=n, depth=depth, width=width, verified_tokens=n))
         if ngram_accept is not None:
             best = max((_row("ngram", b, expected_tokens(profile(ngram_accept, k)),
-                             k * ngram_ms + cost.verify_ms(b * (k + 1), b), plain, k=k, verified_tokens=k + 1)
+                             k * ngram_ms + cost.verify_ms(b * (k + 1), b) + overhead, plain, k=k, verified_tokens=k + 1)
                         for k in ks), key=lambda r: r["speedup"])
             rows.append(best)
     best = {}
