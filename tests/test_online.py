@@ -16,7 +16,7 @@ from draftsmith.draft.build import drafter_config, init_drafter, read_target_emb
 from draftsmith.pipeline import run_stage
 from draftsmith.target.model import load_target
 from draftsmith.target.online import online_batch, online_samples
-from draftsmith.testing import make_model_dir
+from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import CaptureIndex, epoch_plan
 from draftsmith.train.ttt import ttt_loss
 from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
@@ -201,19 +201,10 @@ def test_online_train_resumes_exactly(train_runs, tmp_path, monkeypatch):
     recipe, run_dir = _recipe(tmp_path, target, True)
     for s in ("prepare", "regenerate", "capture", "vocab"):
         run_stage(s, recipe)
-    real = loop._append_jsonl
-
-    def crash_at_step_5(f, rec):
-        if rec["step"] == 5:
-            raise KeyboardInterrupt
-        real(f, rec)
-
-    monkeypatch.setattr(loop, "_append_jsonl", crash_at_step_5)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5), pytest.raises(KeyboardInterrupt):
         run_stage("train", recipe)
     assert (run_dir / "train" / "latest").read_text().strip() == "step-000004"
     assert load_manifest(run_dir / "train")["status"] == "running"
-    monkeypatch.setattr(loop, "_append_jsonl", real)
     m = run_stage("train", recipe)
     assert m["status"] == "complete" and m["online"] is True
     assert _losses(run_dir) == _losses(online)

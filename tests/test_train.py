@@ -13,7 +13,7 @@ from draftsmith.config import Recipe, TargetConfig, TrainConfig, VocabConfig
 from draftsmith.data.shards import Sample, write_shard
 from draftsmith.draft.build import read_target_embeddings
 from draftsmith.draft.model import load_drafter
-from draftsmith.testing import make_model_dir
+from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import epoch_plan
 from draftsmith.train.ttt import simulated_tau
 
@@ -130,19 +130,10 @@ def test_exact_resume_after_crash(tmp_path, target_dir, monkeypatch):
     assert read_json(run_a / "train" / "manifest.json")["counts"]["epochs_started"] >= 2
 
     recipe_b, run_b = make_run(tmp_path / "b", target_dir, samples, max_steps=9, batch_tokens=64)
-    real = loop._append_jsonl
-
-    def crash_at_step_5(f, rec):
-        if rec["step"] == 5:
-            raise KeyboardInterrupt
-        real(f, rec)
-
-    monkeypatch.setattr(loop, "_append_jsonl", crash_at_step_5)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5), pytest.raises(KeyboardInterrupt):
         loop.run(recipe_b, run_b, "fp-train")
     assert (run_b / "train" / "latest").read_text().strip() == "step-000003"
     assert len(losses(run_b)) == 4
-    monkeypatch.setattr(loop, "_append_jsonl", real)
     loop.run(recipe_b, run_b, "fp-train")
     assert losses(run_b) == losses(run_a)
     a, b = (load_file(str(r / "train" / "drafter" / "model.safetensors")) for r in (run_a, run_b))
@@ -187,17 +178,8 @@ def test_gpu_bf16_autocast_trains_and_resumes(tmp_path, target_dir, monkeypatch)
     ls = losses(run_a)
     assert sum(ls[-5:]) < 0.6 * sum(ls[:5]), ls
     recipe_b, run_b = make_run(tmp_path / "b", target_dir, samples, **kw)
-    real = loop._append_jsonl
-
-    def crash(f, rec):
-        if rec["step"] == 15:
-            raise KeyboardInterrupt
-        real(f, rec)
-
-    monkeypatch.setattr(loop, "_append_jsonl", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 15), pytest.raises(KeyboardInterrupt):
         loop.run(recipe_b, run_b, "fp-train")
-    monkeypatch.setattr(loop, "_append_jsonl", real)
     loop.run(recipe_b, run_b, "fp-train")
     assert losses(run_b) == pytest.approx(losses(run_a), rel=1e-3)
     assert load_drafter(run_b / "train" / "drafter").fc.weight.dtype == torch.float32

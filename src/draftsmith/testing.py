@@ -6,6 +6,8 @@ random weights.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional
@@ -146,3 +148,23 @@ def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: i
     drafter = init_drafter(cfg, target.input_embeddings(), chosen - torch.arange(Vd), t2d, seed=seed, std=std).eval()
     save_drafter(drafter, root / "drafter")
     return TinyDrafter(root, model_dir, target, drafter)
+
+
+@contextlib.contextmanager
+def killed_at_step(monkeypatch, step: int):
+    """Inside the block, the train loop raises KeyboardInterrupt when it is about to log `step`, as a
+    kill at that moment would stop it (resume tests); the real logger is back afterwards."""
+    from .train import loop
+
+    real = loop._append_jsonl
+
+    def crash(f, rec):
+        if rec["step"] == step:
+            raise KeyboardInterrupt
+        real(f, rec)
+
+    monkeypatch.setattr(loop, "_append_jsonl", crash)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(loop, "_append_jsonl", real)

@@ -46,7 +46,20 @@ class Batch:
                        (self.input_ids, self.loss_mask, self.aux_hidden, self.final_hidden)), self.num_tokens)
 
 
-class CaptureIndex:
+class _Lengths:
+    """What the batch planner needs of an index: per-sample lengths after the cut."""
+
+    lengths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+
+class CaptureIndex(_Lengths):
     """Samples of capture shards, cut to max_length; samples with no trainable row are dropped.
 
     A row t needs tokens t+1 and t+2 (input and label), so a sample needs 3 tokens and a loss
@@ -91,13 +104,6 @@ class CaptureIndex:
                 self.loss_mask.append(mask[a:a + n])
         self.lengths = [e[2] for e in self.entries]
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
     def batch(self, sample_ids: Sequence[int]) -> Batch:
         """Right-padded batch of the given samples (padding: token 0, mask 0, zero states)."""
         L = max(self.lengths[j] for j in sample_ids)
@@ -120,7 +126,7 @@ class CaptureIndex:
         return Batch(ids, mask, aux, fin, sum(self.lengths[j] for j in sample_ids))
 
 
-class TokenIndex:
+class TokenIndex(_Lengths):
     """Samples of token shards (prepare's data/ or regenerate's regen/), cut to max_length;
     samples with no trainable row are dropped, as in CaptureIndex. `samples(ids)` gives the cut
     token-only samples for the target's forward (online mode)."""
@@ -144,13 +150,6 @@ class TokenIndex:
                 self.loss_mask.append(s.loss_mask[:n])
                 self.sample_index.append(s.sample_index)
         self.lengths = [e[2] for e in self.entries]
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
 
     def max_token_id(self) -> tuple[int, int]:
         """(largest token id, index of a sample holding it); (-1, -1) when empty."""
