@@ -53,10 +53,6 @@ def random_target(cfg, device, dtype) -> Target:
     return t
 
 
-def timed(device, fn):
-    return ev._timed(device, fn)
-
-
 def decode_rates(target: Target, paths: list[str], prompt_len: int, new_tokens: int) -> dict:
     dev = target.device
     prompt = torch.randint(0, target.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -72,9 +68,9 @@ def decode_rates(target: Target, paths: list[str], prompt_len: int, new_tokens: 
             t0 = time.perf_counter()
             run(8)  # warm-up: allocation, kernel choice, graph capture, compilation
             warm_s = time.perf_counter() - t0
-            (tokens,), s = timed(dev, lambda: run(new_tokens))
+            (tokens,), s = ev._timed(dev, lambda: run(new_tokens))
             # the prefill is part of `s`; take it out so the rate is the per-token decode rate
-            (_,), s1 = timed(dev, lambda: run(1))
+            (_,), s1 = ev._timed(dev, lambda: run(1))
             rate = (len(tokens) - 1) / max(s - s1, 1e-9)
             ref = ref or tokens
             diff = next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), None)
@@ -100,7 +96,7 @@ def eager_forward_ms(target: Target, context: int = 128, repeats: int = 20) -> f
     x, ts = torch.zeros(1, 1, dtype=torch.long, device=dev), []
     for i in range(repeats):
         pos = torch.tensor([[context]], device=dev)
-        ts.append(timed(dev, lambda: target.forward(x, past_key_values=cache, position_ids=pos, use_cache=True))[1])
+        ts.append(ev._timed(dev, lambda: target.forward(x, past_key_values=cache, position_ids=pos, use_cache=True))[1])
         cache.crop(context)
     return 1000 * sorted(ts)[len(ts) // 2]
 
@@ -121,7 +117,7 @@ def moe_experts(target_dir: str, device, dtype, batch: int, seq: int) -> dict:
             ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
             with torch.inference_mode():
                 t.forward(ids, with_logits=False)
-                ts = [timed(device, lambda: t.forward(ids, with_logits=False))[1] for _ in range(3)]
+                ts = [ev._timed(device, lambda: t.forward(ids, with_logits=False))[1] for _ in range(3)]
             r = {"forward_tokens_per_s": batch * seq / min(ts)}
             for path in (("off",) if impl == "eager" else ("off", "graphs")):
                 try:

@@ -124,9 +124,10 @@ class Paths:
     def __init__(self, target=None, drafter=None, mode: str = "off"):
         self.target_model, self.drafter, self.requested = target, drafter, mode
         self.mode = resolve_mode(mode, target.device) if target is not None else "off"
-        if self.mode in ("graphs", "compile") and len(_devices(target.model)) > 1:
+        n_devices = len({p.device for p in target.model.parameters()}) if target is not None else 1
+        if self.mode in ("graphs", "compile") and n_devices > 1:
             if mode != "auto":
-                raise DraftsmithError(f"evaluate.fast {mode!r}: the target is spread over {len(_devices(target.model))} "
+                raise DraftsmithError(f"evaluate.fast {mode!r}: the target is spread over {n_devices} "
                                       "devices (target.device_map) and CUDA graphs need one; use fast: static or off")
             log("[evaluate] fast path: the target spans several GPUs; static caches without CUDA graphs")
             self.mode = "static"
@@ -146,10 +147,6 @@ class Paths:
                 return None, None
             self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs))
         return self._by_batch[batch]
-
-
-def _devices(model) -> set:
-    return {p.device for p in model.parameters()}
 
 
 EAGER = Paths()

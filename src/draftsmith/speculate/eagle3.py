@@ -20,7 +20,7 @@ import torch
 
 from ..draft.model import DraftKVCache, Eagle3Drafter
 from .engine import DraftTree, move_rows, tree_mask
-from .fast import FastDraft
+from .fast import FastDraft, device_tree_mask
 
 
 class Eagle3Proposer:
@@ -170,14 +170,10 @@ class Eagle3Proposer:
         device from start/end/past (a 0-d tensor) and the rows are written at past + fed."""
         c, d = self.cache, self.drafter
         cols = torch.arange(c.size, device=past.device)
-        committed = (cols >= start[:, None]) & (cols < end[:, None])
 
         def step(tok, hidden, pos, anc, fed):
-            B, T = tok.shape
-            mask = committed[:, None, :].expand(B, T, c.size).clone()
-            mask.index_copy_(2, past + torch.arange(anc.shape[-1], device=past.device), anc)
             c.write_at.copy_(past + fed)
-            g = d(tok, hidden, pos, c, attn_mask=mask)
+            g = d(tok, hidden, pos, c, attn_mask=device_tree_mask(cols, start, end, past, anc))
             return g, d.logits(g)
         return step
 

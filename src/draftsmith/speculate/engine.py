@@ -165,7 +165,7 @@ def crop_cache(cache: Any, length: int) -> None:
 
 def _cache_tensors(cache: Any) -> list[tuple[Any, str]]:
     """(holder, attribute) of every key/value tensor [B, heads, S, d] of a cache."""
-    if isinstance(cache, DraftKVCache):
+    if isinstance(cache, DraftKVCache) or getattr(cache, "static", False):
         return [(cache, "k"), (cache, "v")]
     layers = getattr(cache, "layers", None)
     if layers is None or any(getattr(layer, "sliding_window", None) for layer in layers):
@@ -177,22 +177,21 @@ def _cache_tensors(cache: Any) -> list[tuple[Any, str]]:
 def move_rows(cache: Any, batch: list[int], src: list[int], dst: list[int], length: int) -> None:
     """Copy cache columns src -> dst of the given batch rows, then keep the first `length` columns
     (a static cache keeps its buffers: only its `length` changes)."""
-    if getattr(cache, "static", False):
-        if batch:
-            b, s, d = (torch.tensor(x, device=cache.k.device) for x in (batch, src, dst))
-            for t in (cache.k, cache.v):
-                t[b, :, d] = t[b, :, s]
-        cache.length = length
-        return
+    static = getattr(cache, "static", False)
+    index: dict[torch.device, list[torch.Tensor]] = {}  # built once per device, not per tensor
     for holder, name in _cache_tensors(cache):
         t = getattr(holder, name)
         if t is None or t.numel() == 0:
             continue
         if batch:
-            dev = t.device
-            b, s, d = (torch.tensor(x, device=dev) for x in (batch, src, dst))
+            if t.device not in index:
+                index[t.device] = [torch.tensor(x, device=t.device) for x in (batch, src, dst)]
+            b, s, d = index[t.device]
             t[b, :, d] = t[b, :, s]
-        setattr(holder, name, t[:, :, :length])
+        if not static:
+            setattr(holder, name, t[:, :, :length])
+    if static:
+        cache.length = length
 
 
 def tree_mask(start: torch.Tensor, end: torch.Tensor, past: int, anc: torch.Tensor,

@@ -56,6 +56,34 @@ def pick_on_device(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (p / torch.empty_like(p).exponential_()).argmax(-1)
 
 
+def capture(fn: Callable, args: Sequence[torch.Tensor] = (), undo: Optional[Callable[[], None]] = None):
+    """Run fn(*args) once for real on a side stream (lazy allocations, kernel selection,
+    compilation), call `undo` to revert its effects if they must not count, then capture one call
+    into a CUDA graph. Returns (graph, the captured call's outputs); replay the graph to compute."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    if undo is not None:
+        undo()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+    return graph, out
+
+
+def device_tree_mask(cols: torch.Tensor, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor,
+                     anc: torch.Tensor) -> torch.Tensor:
+    """engine.tree_mask built on the device from device values only (graph-safe): bool [B, N, S]
+    over a static cache's columns `cols` (arange(S)); `past` is a 0-d tensor."""
+    B, N, M = anc.shape
+    committed = (cols >= start[:, None]) & (cols < end[:, None])
+    mask = committed[:, None, :].expand(B, N, cols.shape[0]).clone()
+    mask.index_copy_(2, past + torch.arange(M, device=anc.device), anc)
+    return mask
+
+
 class Graphed:
     """Call fn(*tensors) -> tensors, through a CUDA graph captured on the first call per input
     shape (inputs are copied into the graph's static buffers, outputs are the graph's own and
@@ -94,14 +122,7 @@ class Graphed:
 
     def _capture(self, key: tuple, xs: Sequence[torch.Tensor]):
         static_in = [x.clone() for x in xs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the real call: lazy allocations, kernel selection, compilation
-            self.fn(*static_in)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.fn(*static_in)
+        graph, out = capture(self.fn, static_in)
         graph.replay()
         self.graphs[key] = (static_in, graph, out)
         return out
@@ -211,11 +232,7 @@ class FastTarget:
         return out.logits, out.aux_hidden, out.final_hidden
 
     def _verify(self, ids, pos, past, start, end, anc):
-        B, N = ids.shape
-        committed = (self.cols >= start[:, None]) & (self.cols < end[:, None])
-        mask = committed[:, None, :].expand(B, N, self.S).clone()
-        mask.index_copy_(2, past + torch.arange(N, device=ids.device), anc)
-        return self.fn(ids, pos, past, mask)
+        return self.fn(ids, pos, past, device_tree_mask(self.cols, start, end, past, anc))
 
     def _keep(self, b, src, dst):
         for layer in self.cache.layers:
@@ -260,10 +277,10 @@ class FastTarget:
     def keep(self, b: list[int], src: list[int], dst: list[int], length: int, n_moves: int = 0) -> None:
         """Copy the rows src -> dst of sequences b (one graph: padded with no-op copies of the
         spare last column to n_moves), then past = length."""
-        pad = max(n_moves - len(b), 0)
-        spare = self.S - 1
-        idx = torch.tensor([b + [0] * pad, src + [spare] * pad, dst + [spare] * pad], device=self.device)
-        if len(b):
+        if b:
+            pad = max(n_moves - len(b), 0)
+            spare = self.S - 1
+            idx = torch.tensor([b + [0] * pad, src + [spare] * pad, dst + [spare] * pad], device=self.device)
             self.keep_g(idx[0], idx[1], idx[2])
         self.past = length
 
@@ -274,7 +291,7 @@ class FastTarget:
               temperature: float = 0.0, check_every: int = 8) -> list[list[int]]:
         """Plain decoding of a (left-padded) batch, one target forward per token, the token fed
         back on the device; the host reads the tokens every `check_every` steps to stop at EOS."""
-        from .engine import left_pad
+        from .engine import _first_eos, left_pad
 
         ids, pad, pos = left_pad(prompts, self.device)
         B, P = ids.shape
@@ -288,16 +305,17 @@ class FastTarget:
         st["buf"][:, 0] = first
         st["i"].fill_(1)
         step = self._plain_step(temperature)
-        n = 1
+        n, got = 1, None
         while n < max_new_tokens:
             todo = min(check_every, max_new_tokens - n)
             for _ in range(todo):
                 step()
             n += todo
-            got = st["buf"][:, :n].tolist()
+            got = st["buf"][:, :n].tolist()  # the one device read per check
             if eos_ids and all(any(t in eos_ids for t in g) for g in got):
                 break
-        got = st["buf"][:, :n].tolist()
+        if got is None:  # a single new token: no step ran
+            got = st["buf"][:, :1].tolist()
         self.past = P + n
         return [g[:_first_eos(g, eos_ids)][:max_new_tokens] for g in got]
 
@@ -332,25 +350,13 @@ class FastTarget:
         key = (temperature,)
         if self.plain_graph is None or self.plain_graph[0] != key:
             saved = {k: v.clone() for k, v in st.items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()  # warm-up (kernel selection, compilation); its effects are undone below
-            torch.cuda.current_stream().wait_stream(side)
-            for k, v in saved.items():
-                st[k].copy_(v)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+
+            def undo():  # the warm-up step advanced the state: put it back
+                for k, v in saved.items():
+                    st[k].copy_(v)
+            graph, _ = capture(step, undo=undo)
             self.plain_graph = (key, graph)
         return self.plain_graph[1].replay
-
-
-def _first_eos(tokens: list[int], eos_ids: Sequence[int]) -> int:
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return i + 1
-    return len(tokens)
 
 
 # ----------------------------------------------------------------------------- drafter

@@ -59,11 +59,17 @@ class _Lengths:
         return sum(self.lengths)
 
 
-class CaptureIndex(_Lengths):
-    """Samples of capture shards, cut to max_length; samples with no trainable row are dropped.
+def trainable_length(loss_mask: torch.Tensor, max_length: int) -> int:
+    """A sample's length after the cut to max_length, or 0 when it has no trainable row: a row t
+    needs tokens t+1 and t+2 (input and label), so a sample needs 3 tokens and a loss token at
+    position >= 2."""
+    n = min(len(loss_mask), max_length)
+    return n if n >= 3 and bool(loss_mask[2:n].any()) else 0
 
-    A row t needs tokens t+1 and t+2 (input and label), so a sample needs 3 tokens and a loss
-    token at position >= 2."""
+
+class CaptureIndex(_Lengths):
+    """Samples of capture shards, cut to max_length; samples with no trainable row are dropped
+    (`trainable_length`)."""
 
     def __init__(self, paths: Sequence[Path], max_length: int, hidden_size: int, num_aux: int):
         from safetensors import SafetensorError, safe_open
@@ -95,8 +101,8 @@ class CaptureIndex(_Lengths):
                 raise DraftsmithError(f"{p}: offsets/rows disagree ({off[-1]} offsets end, {ids.shape[0]} tokens, "
                                       f"{aux_shape[0]} aux rows); delete the capture folder and rerun `draftsmith capture`")
             for a, b in zip(off[:-1], off[1:]):
-                n = min(b - a, self.max_length)
-                if n < 3 or not bool(mask[a + 2:a + n].any()):
+                n = trainable_length(mask[a:b], self.max_length)
+                if not n:
                     self.dropped += 1
                     continue
                 self.entries.append((si, a, n))
@@ -141,8 +147,8 @@ class TokenIndex(_Lengths):
         self.dropped = 0
         for si, p in enumerate(self.paths):
             for j, s in enumerate(read_shard(p, with_hidden=False)):
-                n = min(len(s), self.max_length)
-                if n < 3 or not bool(s.loss_mask[2:n].any()):
+                n = trainable_length(s.loss_mask, self.max_length)
+                if not n:
                     self.dropped += 1
                     continue
                 self.entries.append((si, j, n))
