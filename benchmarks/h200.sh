@@ -3,6 +3,9 @@
 #   STEPS="reference pipeline speculative" bash benchmarks/h200.sh   # job 1: target -> pipeline -> engine bench
 #   STEPS="random capture train" bash benchmarks/h200.sh             # job 2: capture and training throughput
 #   STEPS="fasttests random fast" bash benchmarks/h200.sh            # job 3: fast-path tests on the GPU, plain decode vs bandwidth
+#   STEPS="fp8 humaneval ksweep gputests fasttests" bash benchmarks/h200.sh  # after `reference pipeline` on the same machine:
+#       fp8: the same pipeline on fp8 captures (tau only) -> fp8_tau_loss_pct; humaneval: the pipeline's drafter on
+#       HumanEval; ksweep: chain k = 3 and 7; gputests: pytest -m gpu
 # reference: trains the DeepSeek-V3-architecture reference target (deterministic, seed 0) into /tmp/ref;
 # random: the same architecture with random weights (speed figures only). Needs build/gpu
 # (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
@@ -30,6 +33,19 @@ for s in $STEPS; do case $s in
   speculative) step speculative "${SPEC_LIMIT:-150}" python3 benchmarks/bench_speculative.py --run_dir /tmp/runs/h200 \
                --benchmark build/gpu/mtbench_question.jsonl --num_prompts 8 --max_new_tokens 128 --batch_sizes 1 4 16 \
                --out "$OUT/bench_speculative.json" ;;
+  fp8)       step fp8 "${FP8_LIMIT:-300}" python3 -m draftsmith.cli run benchmarks/recipes/h200.yaml --run_dir /tmp/runs/h200-fp8 \
+               --capture.storage_dtype float8_e4m3 ${PIPELINE_ARGS:-} --evaluate.methods '[eagle3_chain,eagle3_tree]' \
+               --evaluate.batch_sizes '[1]' --evaluate.check_lossless false --evaluate.step_costs false --export.formats '[]'
+             cp /tmp/runs/h200-fp8/eval/results.json "$OUT/fp8_eval_results.json" 2>/dev/null
+             cp /tmp/runs/h200-fp8/train/metrics.jsonl "$OUT/fp8_train_metrics.jsonl" 2>/dev/null ;;
+  humaneval) step humaneval "${HE_LIMIT:-120}" python3 -m draftsmith.cli evaluate benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-} \
+               --evaluate.benchmarks '[build/gpu/HumanEval.jsonl.gz]' --evaluate.batch_sizes '[1]' --force true
+             cp /tmp/runs/h200/eval/results.json "$OUT/humaneval_eval_results.json" 2>/dev/null ;;
+  ksweep)    for k in 3 7; do step "k$k" "${K_LIMIT:-75}" python3 -m draftsmith.cli evaluate benchmarks/recipes/h200.yaml \
+               ${PIPELINE_ARGS:-} --evaluate.draft_steps $k --evaluate.methods '[eagle3_chain,plain]' \
+               --evaluate.batch_sizes '[1]' --evaluate.step_costs false --force true
+             cp /tmp/runs/h200/eval/results.json "$OUT/k${k}_eval_results.json" 2>/dev/null; done ;;
+  gputests)  step gputests "${GPUTESTS_LIMIT:-90}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
   fasttests) step fasttests "${FASTTESTS_LIMIT:-240}" python3 -m pytest -q tests/test_fast.py -p no:cacheprovider -k "${FASTTESTS_K:-}" ;;
   fast)      step fast "${FAST_LIMIT:-330}" python3 benchmarks/bench_fast.py --moe_target /tmp/ref --out "$OUT/bench_fast.json" ;;
   capture)   step capture 110 python3 benchmarks/bench_capture.py --target /tmp/ref --batch 8 --seq-len 1024 \

@@ -183,3 +183,30 @@ def test_graphed_falls_back_to_eager_when_capture_fails(capsys):
     assert list(g.graphs.values()) == [None]
     with pytest.raises(ValueError, match="negative"):
         g(-torch.ones(2, 3))
+
+
+@pytest.mark.skipif(not CUDA, reason="counts CUDA stream syncs")
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_graphed_round_waits_for_the_gpu_only_to_read_results(target, plains, method):
+    """A graphed round may wait for the GPU only where the host needs its results (the verify
+    logits, the drafted tokens): host-to-device copies must not sync, or the host never runs ahead."""
+    import warnings
+
+    ft = FastTarget(target, "graphs")
+    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
+    fd = FastDraft(drafter, graphs=True)
+    topk, budget = (1, 4) if method == "chain" else (3, 8)
+    run = lambda: generate(target, Eagle3Proposer(drafter, topk=topk, budget=budget, fast=fd),  # noqa: E731
+                           [PROMPTS[0]], 24, depth=4, fast=ft)
+    assert run()[0] == [plains[0]]  # warm-up: captures every graph
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            new, [st] = run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    print(f"{method}: {syncs} syncs in {st.rounds} rounds")
+    assert new == [plains[0]]
+    assert syncs <= 4 * st.rounds + 4, (syncs, st.rounds)  # verify's read + propose's 3 reads (+ prefill)

@@ -312,7 +312,7 @@ def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, pa
     ids = torch.tensor([context], device=dev)
     out = runner.prefill(ids, torch.arange(C, device=dev)[None], torch.zeros(1, dtype=torch.long, device=dev),
                          max_new_tokens=0, max_rows=max(STEP_COST_TOKENS) + 1)
-    start, end = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), C, device=dev)
+    start, end = torch.zeros(1, dtype=torch.long), torch.full((1,), C)  # verify takes host tensors
 
     def median_ms(fn) -> float:
         fn()  # warm-up (and graph capture)
@@ -321,9 +321,9 @@ def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, pa
 
     forward_ms = {}
     for n in STEP_COST_TOKENS:
-        x = torch.tensor([context[-1:] * n], device=dev)
-        pos = torch.arange(C, C + n, device=dev)[None]
-        anc = torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None]
+        x = torch.tensor([context[-1:] * n])
+        pos = torch.arange(C, C + n)[None]
+        anc = torch.ones(n, n, dtype=torch.bool).tril()[None]
 
         def step():
             runner.verify(x, pos, start, end, anc, n)

@@ -20,7 +20,7 @@ import torch
 
 from ..draft.model import DraftKVCache, Eagle3Drafter
 from .engine import DraftTree, move_rows, tree_mask
-from .fast import FastDraft, device_tree_mask
+from .fast import FastDraft, device_tree_mask, h2d
 
 
 class Eagle3Proposer:
@@ -61,7 +61,7 @@ class Eagle3Proposer:
         T, B = max(n), len(inputs)
         if T == 0:
             return
-        ids = torch.zeros(B, T, dtype=torch.long)
+        ids = torch.zeros(B, T, dtype=torch.long)  # host tensors, sent without a sync (h2d)
         aux = None
         for b, (x, o) in enumerate(zip(inputs, outs)):
             if not x:
@@ -75,7 +75,7 @@ class Eagle3Proposer:
         anc = (torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool)[None]
         past = self.cache.length
         pos = self.rows[:, None] + torch.arange(T, device=dev)[None]
-        g, _ = self._step(ids.to(dev), d.project(aux), pos, anc.to(dev), past)
+        g, _ = self._step(h2d(ids, dev), d.project(aux), pos, h2d(anc, dev), past)
         bs, src, dst = [], [], []
         for b in range(B):
             if n[b]:
@@ -85,7 +85,7 @@ class Eagle3Proposer:
                 dst += list(range(e, e + n[b]))
                 self.end_host[b] = e + n[b]
         # g_last[b] = g[b, n_b - 1] where n_b > 0, in one gather (no per-sequence device writes)
-        last = torch.tensor([[max(k - 1, 0), int(k > 0)] for k in n], device=dev)
+        last = h2d([[max(k - 1, 0), int(k > 0)] for k in n], dev)
         picked = g.gather(1, last[:, :1, None].expand(-1, 1, g.shape[-1]))[:, 0]
         self.g_last = torch.where(last[:, 1:].bool(), picked.to(self.g_last.dtype), self.g_last)
         n_t = last.new_tensor(n)
@@ -105,7 +105,7 @@ class Eagle3Proposer:
         if at + ids.shape[1] >= c.size:
             c = self.cache = self.fast.grow(c, at + ids.shape[1])
             mask = tree_mask(self.start_col, self.end_col, mask_past, anc, width=c.size)
-        g, logits = self.fast.step(ids, hidden, pos, mask, torch.tensor(at, device=ids.device))
+        g, logits = self.fast.step(ids, hidden, pos, mask, h2d(at, ids.device))
         c.length = at + ids.shape[1]
         return g, logits
 
@@ -189,7 +189,7 @@ class Eagle3Proposer:
         if self.fast is not None and not sampled:  # the whole expansion: one graph per (batch, K, D)
             if past + (D - 1) * K >= self.cache.size:
                 self.cache = self.fast.grow(self.cache, past + (D - 1) * K + 1)
-            past_t = torch.tensor(past, device=self.device)
+            past_t = h2d(past, self.device)
             toks, scores, parents = self.fast.expansion(self, K, D)(self.g_last, self.rows, self.start_col,
                                                                     self.end_col, past_t)
             q_all = None

@@ -37,7 +37,7 @@ import torch
 from ..artifacts import DraftsmithError
 from ..draft.model import DraftKVCache, Eagle3Drafter
 from ..target.model import Target, TargetOutput
-from .fast import FastTarget, additive
+from .fast import FastTarget, additive, h2d
 
 
 @dataclass
@@ -185,7 +185,7 @@ def move_rows(cache: Any, batch: list[int], src: list[int], dst: list[int], leng
             continue
         if batch:
             if t.device not in index:
-                index[t.device] = [torch.tensor(x, device=t.device) for x in (batch, src, dst)]
+                index[t.device] = list(h2d([batch, src, dst], t.device))
             b, s, d = index[t.device]
             t[b, :, d] = t[b, :, s]
         if not static:
@@ -207,14 +207,14 @@ def tree_mask(start: torch.Tensor, end: torch.Tensor, past: int, anc: torch.Tens
     return torch.cat(parts, dim=-1)
 
 
-def _tree_ancestry(trees: list[DraftTree], n: int, device) -> torch.Tensor:
-    """anc [B, n, n] over [root, *nodes, padding]: each real row sees the root, its ancestors and
+def _tree_ancestry(trees: list[DraftTree], n: int) -> torch.Tensor:
+    """anc [B, n, n] (host) over [root, *nodes, padding]: each real row sees the root, its ancestors and
     itself; padding rows see only themselves (a row seeing nothing would turn NaN)."""
     anc = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)
     for b, t in enumerate(trees):
         for i, p in enumerate(t.parents):
             anc[b, i + 1] |= anc[b, p + 1]
-    return anc.to(device)
+    return anc
 
 
 def _sample(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
@@ -385,6 +385,8 @@ class EagerVerifier:
         return out
 
     def verify(self, ids, pos, start, end, anc, n_rows: int = 0) -> TargetOutput:
+        """Host tensors in (as FastTarget.verify): [B, N] rows after the cache's `past` columns."""
+        ids, pos, start, end, anc = (h2d(x, self.target.device) for x in (ids, pos, start, end, anc))
         return verify_forward(self.target, self.cache, ids, pos, tree_mask(start, end, self.past, anc))
 
     def keep(self, b: list[int], src: list[int], dst: list[int], length: int, n_moves: int = 0) -> None:
@@ -414,10 +416,11 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     clock = {"target_s": 0.0, "draft_s": 0.0}
     t_start = time.perf_counter()
 
-    def timed(attr: str, fn, *args):
+    def timed(attr: str, fn, *args, sync: bool = True):
         t0 = time.perf_counter()
         r = fn(*args)
-        _sync(dev)
+        if sync:
+            _sync(dev)
         clock[attr] += time.perf_counter() - t0
         return r
 
@@ -448,8 +451,8 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             depth_of[b, 1:1 + len(t)] = torch.tensor(t.depths(), dtype=torch.long)
         past = runner.past
         committed_len = end - start
-        out = timed("target_s", runner.verify, verify_in.to(dev), (committed_len[:, None] + depth_of).to(dev),
-                    start.to(dev), end.to(dev), _tree_ancestry(trees, N, dev), n_rows)
+        out = timed("target_s", runner.verify, verify_in, committed_len[:, None] + depth_of, start, end,
+                    _tree_ancestry(trees, N), n_rows)  # host tensors: the runner sends them without a sync
 
         if temperature <= 0:
             greedy = out.logits.argmax(-1).tolist()
@@ -484,11 +487,13 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             move_dst += list(range(e, e + len(rows)))
             end[b] = e + len(rows)
             commits.append([] if done[b] else committed)
-            outs.append(None if done[b] else _rows(out, b, torch.tensor(rows, device=dev)))
+            outs.append(None if done[b] else _rows(out, b, h2d(rows, dev)))
         # Keep the root and the accepted path of every sequence, behind its committed rows.
         runner.keep(move_b, move_src, move_dst, int(end.max()), B * n_rows)  # end is on the host
         if proposer is not None and not all(done):
-            timed("draft_s", proposer.commit, commits, outs)
+            # No sync: the drafter's feed runs on the GPU while the host starts the next round
+            # (propose reads its tokens back, so its wait counts in draft_s too).
+            timed("draft_s", proposer.commit, commits, outs, sync=False)
 
     wall = time.perf_counter() - t_start
     for st, n in zip(stats, new):

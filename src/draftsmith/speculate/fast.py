@@ -42,6 +42,15 @@ def resolve_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+def h2d(x: Any, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A host value (tensor, list or number) on `device` without a stream sync: a blocking
+    host-to-device copy waits for every kernel queued before it, so the host could never run
+    ahead of the GPU. From pageable memory the data is staged before the call returns, so the
+    host tensor may be freed at once."""
+    t = torch.as_tensor(x, dtype=dtype)
+    return t.to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool [B, N, S] -> HF 4D additive float mask [B, 1, N, S] (works for eager and sdpa)."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[:, None]
@@ -232,6 +241,7 @@ class FastTarget:
         return out.logits, out.aux_hidden, out.final_hidden
 
     def _verify(self, ids, pos, past, start, end, anc):
+        anc = anc.bool()  # sent as int64 with the other inputs
         return self.fn(ids, pos, past, device_tree_mask(self.cols, start, end, past, anc))
 
     def _keep(self, b, src, dst):
@@ -251,27 +261,31 @@ class FastTarget:
         self.ensure(B, P + max_new_tokens + max_rows)
         mask = torch.zeros(B, P, self.S, dtype=torch.bool, device=ids.device)
         mask[:, :, :P] = prefill_mask(pad, P)
-        logits, aux, final = self._forward(ids, pos, torch.tensor(0, device=ids.device), mask)
+        logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
         self.past = P
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final)
 
     def verify(self, ids: torch.Tensor, pos: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                anc: torch.Tensor, n_rows: int = 0) -> TargetOutput:
         """[B, N] rows at [past, past + N): row i of b sees b's committed columns and the rows j
-        with anc[b, i, j]. Rows are padded to n_rows (one graph per padded size)."""
+        with anc[b, i, j]. Rows are padded to n_rows (one graph per padded size). The inputs are
+        host tensors: padded on the host and sent in one copy that does not wait for the GPU."""
         B, N = ids.shape
         if n_rows > N:  # padding rows: token 0, seeing only themselves
             pad = n_rows - N
             ids = torch.cat([ids, ids.new_zeros(B, pad)], 1)
             pos = torch.cat([pos, pos[:, -1:].expand(B, pad)], 1)
-            a = torch.eye(n_rows, dtype=torch.bool, device=anc.device).repeat(B, 1, 1)
+            a = torch.eye(n_rows, dtype=torch.bool).repeat(B, 1, 1)
             a[:, :N, :N] = anc
             anc = a
-        if self.past + ids.shape[1] >= self.S:
-            raise DraftsmithError(f"fast path: {self.past + ids.shape[1]} cache columns needed, {self.S} allocated "
+        M = ids.shape[1]
+        if self.past + M >= self.S:
+            raise DraftsmithError(f"fast path: {self.past + M} cache columns needed, {self.S} allocated "
                                   "(prefill's max_new_tokens/max_rows too small)")
-        past = torch.tensor(self.past, device=self.device)
-        logits, aux, final = self.verify_g(ids, pos, past, start, end, anc)
+        parts = (ids, pos, start, end, torch.tensor([self.past]), anc)
+        buf = h2d(torch.cat([x.reshape(-1).long() for x in parts]), self.device)
+        ids, pos, start, end, past, anc = (v.view(x.shape) for v, x in zip(buf.split([x.numel() for x in parts]), parts))
+        logits, aux, final = self.verify_g(ids, pos, past.reshape(()), start, end, anc)
         return TargetOutput(logits=logits[:, :N], aux_hidden=aux[:, :N], final_hidden=final[:, :N])
 
     def keep(self, b: list[int], src: list[int], dst: list[int], length: int, n_moves: int = 0) -> None:
@@ -280,7 +294,7 @@ class FastTarget:
         if b:
             pad = max(n_moves - len(b), 0)
             spare = self.S - 1
-            idx = torch.tensor([b + [0] * pad, src + [spare] * pad, dst + [spare] * pad], device=self.device)
+            idx = h2d([b + [0] * pad, src + [spare] * pad, dst + [spare] * pad], self.device)
             self.keep_g(idx[0], idx[1], idx[2])
         self.past = length
 

@@ -217,6 +217,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     manifest["online"] = bool(tc.online)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in out_dir.rglob(".*.tmp-*"):  # half-written files of a killed run (rank 0 is the only writer)
+            stale.unlink(missing_ok=True)
         write_manifest(out_dir, manifest)
     # Hashing every shard costs a full read of the capture; do it once (rank 0), not on each resume.
     shard_paths = verify_shards(src_dir, src_m, check_hash=latest is None and main)
