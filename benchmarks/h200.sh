@@ -35,7 +35,7 @@ for s in $STEPS; do case $s in
                --out "$OUT/bench_speculative.json" ;;
   fp8)       step fp8 "${FP8_LIMIT:-300}" python3 -m draftsmith.cli run benchmarks/recipes/h200.yaml --run_dir /tmp/runs/h200-fp8 \
                --capture.storage_dtype float8_e4m3 ${PIPELINE_ARGS:-} --evaluate.methods '[eagle3_chain,eagle3_tree]' \
-               --evaluate.batch_sizes '[1]' --evaluate.check_lossless false --evaluate.step_costs false --export.formats '[]'
+               --evaluate.batch_sizes '[1]' --evaluate.check_lossless false --evaluate.step_costs false --export.formats '[sglang]'
              cp /tmp/runs/h200-fp8/eval/results.json "$OUT/fp8_eval_results.json" 2>/dev/null
              cp /tmp/runs/h200-fp8/train/metrics.jsonl "$OUT/fp8_train_metrics.jsonl" 2>/dev/null ;;
   humaneval) step humaneval "${HE_LIMIT:-120}" python3 -m draftsmith.cli evaluate benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-} \
