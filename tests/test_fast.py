@@ -209,4 +209,7 @@ def test_graphed_round_waits_for_the_gpu_only_to_read_results(target, plains, me
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     print(f"{method}: {syncs} syncs in {st.rounds} rounds")
     assert new == [plains[0]]
-    assert syncs <= 4 * st.rounds + 4, (syncs, st.rounds)  # verify's read + propose's 3 reads (+ prefill)
+    # Per round: the timing sync and the logits read after verify, the timing sync and the three reads
+    # (tokens, scores, parents) after propose. The H200 counted 118 in 23 rounds (5.1 per round).
+    # A blocking host-to-device copy would count one more each (a round makes about 8 copies).
+    assert syncs <= 6 * st.rounds + 4, (syncs, st.rounds)

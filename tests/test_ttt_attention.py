@@ -16,7 +16,7 @@ def inputs(B=2, nh=4, nkv=2, L=37, hd=8, steps=3, seed=0):
 
 def value_and_grads(fn, q, ks, vs):
     o = fn(q, ks, vs)
-    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=o.dtype)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=o.dtype).to(o.device)
     grads = torch.autograd.grad((o * w).sum(), [q, *ks, *vs])
     return o.detach(), grads
 
