@@ -170,3 +170,30 @@ def test_data_parallel_two_ranks(prepared, reference, tmp_path):
     assert m["status"] == "complete" and m["world_size"] == 2
     assert m["shards"] == ref["shards"] and m["counts"] == ref["counts"]
     assert _shards(tmp_path) == _shards(reference)
+
+
+def test_nonfinite_states_reject_only_their_sample_and_padding_is_ignored(tmp_path):
+    """capture_samples checks NaN/inf over each sample's own tokens: a NaN in a padded column
+    (beyond a short sample's end) rejects nothing; one in a sample's tokens rejects that sample."""
+    from draftsmith.data.shards import Sample
+    from draftsmith.target.capture import capture_samples
+    from draftsmith.target.model import TargetOutput, load_target
+
+    target = load_target(make_model_dir(tmp_path / "m", num_layers=2), device="cpu", dtype="float32")
+    forward = target.forward
+
+    def poisoned(ids, **kw):
+        out = forward(ids, **kw)
+        aux = out.aux_hidden.clone()
+        short, third = int((ids[:, -1] == 0).nonzero()[0]), int((ids[:, 0] == 3).nonzero()[0])  # rows are length-sorted
+        aux[short, -1, 0] = float("nan")  # sample 1 is short: its last column is padding
+        aux[third, 3, 5] = float("inf")   # sample 2's own token
+        return TargetOutput(None, aux, out.final_hidden)
+
+    target.forward = poisoned
+    lengths = [12, 5, 12]
+    samples = [Sample(torch.arange(1 + i, n + 1 + i), torch.ones(n, dtype=torch.bool), i) for i, n in enumerate(lengths)]
+    good, rejected = capture_samples(target, samples, batch_tokens=10_000, storage_dtype="bfloat16")
+    assert rejected == 1 and [s.sample_index for s in good] == [0, 1]
+    assert [s.aux_hidden.shape[0] for s in good] == [12, 5]
+    assert all(torch.isfinite(s.aux_hidden).all() for s in good)

@@ -54,14 +54,30 @@ def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
             n = len(samples[i])
             ids[r, :n] = samples[i].input_ids
             mask[r, :n] = 1
-        res = target.forward(ids.to(dev), attention_mask=mask.to(dev), with_logits=False)
-        aux, final = res.aux_hidden.to(hold).cpu(), res.final_hidden.to(hold).cpu()
+        valid = mask.to(dev)
+        res = target.forward(ids.to(dev), attention_mask=valid, with_logits=False)
+        aux, final = res.aux_hidden.to(hold), res.final_hidden.to(hold)
+        # NaN/inf check on the device, over each sample's own tokens (a host check of the
+        # copied states costs more than the forward), then one read of a flag per sample.
+        bad = ((~torch.isfinite(aux)).flatten(2).any(-1) | (~torch.isfinite(final)).flatten(2).any(-1)) & valid.bool()
+        finite = (~bad.any(1)).tolist()
+        aux, final = _to_host(aux), _to_host(final)
         for r, i in enumerate(batch):
-            n = len(samples[i])
-            s = samples[i]
-            out[i] = Sample(s.input_ids, s.loss_mask, s.sample_index, aux[r, :n].clone(), final[r, :n].clone())
-    good = [s for s in out if s is not None and torch.isfinite(s.aux_hidden).all() and torch.isfinite(s.final_hidden).all()]
+            if finite[r]:
+                n, s = len(samples[i]), samples[i]
+                out[i] = Sample(s.input_ids, s.loss_mask, s.sample_index, aux[r, :n].clone(), final[r, :n].clone())
+    good = [s for s in out if s is not None]
     return good, len(samples) - len(good)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A GPU tensor copied to host memory through a pinned buffer from torch's caching host
+    allocator (reused across batches): the DMA writes straight into it, where a pageable copy is
+    staged through a driver buffer. The callers clone what they keep, so the buffer goes back."""
+    if x.device.type != "cuda":
+        return x.cpu()
+    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return buf.copy_(x)
 
 
 # ----------------------------------------------------------------------------- ranks
