@@ -6,7 +6,7 @@
 Reads (prefixes are the GPU calls of the run, see BENCHMARKS.md): C-eval_results.json (the
 pipeline's evaluate: MT-Bench, batch 1/4/16), B-fp8_eval_results.json (the same pipeline on fp8
 captures), B-k3/B-k7_eval_results.json (chain k sweeps), C-humaneval_eval_results.json,
-A-reference_training.json and A-train_metrics.jsonl. Every figure is computed here from those
+A-reference_training.json, A-train_metrics.jsonl and E-bench_capture.json. Every figure is computed here from those
 files; nothing is typed in."""
 from __future__ import annotations
 
@@ -60,6 +60,11 @@ def collect(d: Path) -> dict:
     he = load("C-humaneval_eval_results.json")
     out["humaneval_bs1"] = {m: {"tau": r3(overall(he, m)["tau"]), "speedup": r3(overall(he, m)["speedup"])}
                             for m in ("eagle3_chain", "eagle3_tree", "ngram")}
+    if (d / "E-bench_capture.json").exists():  # capture throughput (random-weight target, bench_capture.py)
+        cap = load("E-bench_capture.json")
+        out.update({k: cap[k] for k in ("capture_over_forward", "capture_over_forward_fp8", "bytes_per_token_bf16",
+                                        "bytes_per_token_fp8", "forward_tokens_per_s", "capture_tokens_per_s_bf16",
+                                        "capture_tokens_per_s_fp8")})
     ref = load("A-reference_training.json")
     out["reference_target"] = {k: ref[k] for k in ("params", "steps", "train_tokens_seen", "train_seconds", "val_loss", "val_ppl")}
     rows = [json.loads(line) for line in (d / "A-train_metrics.jsonl").read_text().splitlines() if line.strip()]
