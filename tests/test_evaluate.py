@@ -149,3 +149,19 @@ def test_divergence_classes():
     assert evaluate.classify_divergence((0.0, 2 * tol), torch.bfloat16) == "bug"
     assert evaluate.classify_divergence(None, torch.bfloat16) == "bug"  # one side ended early
     assert evaluate.classify_divergence((0.0, 1e-3), torch.float32) == "bug"  # fp32 tolerance is 1e-5
+
+
+def test_lossless_check_stops_on_a_bug_and_names_the_gaps(tmp_path):
+    """A speculative token that no forward picks is a bug: the check raises with both logit gaps;
+    with check_lossless off it records the divergence instead."""
+    from draftsmith.speculate.engine import plain_generate
+
+    target = load_target(make_model_dir(tmp_path / "m", num_layers=2), device="cpu", dtype="float32")
+    prompt = [5, 9, 13, 2, 7]
+    plain = plain_generate(target, prompt, 8)
+    spec = plain[:3] + [(plain[3] + 1) % 100] + plain[4:]  # not the argmax there
+    with pytest.raises(DraftsmithError, match=r"at new token 3 .*logit gaps to its top: plain 0, speculative \d"):
+        evaluate.lossless_check(target, prompt, plain, spec, True, "p1", "eagle3_tree")
+    rec = evaluate.lossless_check(target, prompt, plain, spec, False, "p1", "eagle3_tree")
+    assert (rec["lossless"], rec["first_difference"], rec["divergence"]) == (False, 3, "bug")
+    assert evaluate.lossless_check(target, prompt, plain, list(plain), True, "p1", "ngram")["lossless"]

@@ -243,6 +243,10 @@ def classify_divergence(gaps, dtype: torch.dtype) -> str:
     return "numeric" if gap_plain > tol else "bug"
 
 
+def _gap(gaps, i: int) -> str:
+    return "n/a" if gaps is None else f"{gaps[i]:.4g}"
+
+
 def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, method: str) -> dict:
     """{lossless, first_difference, divergence, gap_plain, gap_spec, near_tie_gap}; raises on a
     divergence classified `bug` (see classify_divergence) when `check`."""
@@ -259,7 +263,9 @@ def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, met
             want = plain[pos] if pos < len(plain) else "end"
             raise DraftsmithError(f"{where}: {method}: speculative output differs from plain greedy decoding at new token "
                                   f"{pos} (plain {want}, speculative {got}), and an independent forward agrees with plain "
-                                  "decoding: no rounding tie. This is a draftsmith bug; please report it "
+                                  f"decoding: no rounding tie (logit gaps to its top: plain {_gap(gaps, 0)}, speculative "
+                                  f"{_gap(gaps, 1)}, tie tolerance {TIE_TOLERANCE.get(target.dtype, 1e-5):g}). This is a draftsmith bug "
+                                  "unless the target's routing or kernels differ by row count in this dtype; please report it "
                                   "(set evaluate.check_lossless false to measure anyway)")
     return rec
 
