@@ -35,8 +35,12 @@ PARTIAL = "partial.jsonl"
 SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
 STEP_COST_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 # Relative top-1 vs chosen-token logit gap below which a divergence counts as a rounding tie:
-# a verify forward over k+1 rows may round differently from single-row forwards.
-TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# a verify forward over k+1 rows may round differently from single-row forwards, and in 16-bit
+# dtypes the difference grows through the layers. bf16: on the H200 the 12-layer MoE reference
+# target's graphed 1-row plain decoding chose tokens up to 0.063 below an uncached forward's top
+# (31 divergences, 2026-12-03 driver run, call C), so 0.1; float16 has 8x finer rounding.
+# In bf16 the check catches only gross errors: exactness is tested in float32 (tests/test_fast.py).
+TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
 # ----------------------------------------------------------------------------- inputs
