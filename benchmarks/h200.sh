@@ -5,7 +5,8 @@
 #   STEPS="fasttests random fast" bash benchmarks/h200.sh            # job 3: fast-path tests on the GPU, plain decode vs bandwidth
 #   STEPS="fp8 humaneval ksweep gputests fasttests" bash benchmarks/h200.sh  # after `reference pipeline` on the same machine:
 #       fp8: the same pipeline on fp8 captures (tau only) -> fp8_tau_loss_pct; humaneval: the pipeline's drafter on
-#       HumanEval; ksweep: chain k = 3 and 7; gputests: pytest -m gpu
+#       HumanEval; ksweep: chain k = 3 and 7; gputests: pytest -m gpu; regen: the target rewrites the answers
+#       of a subset (REGEN_SAMPLES conversations, local batched generate) in its own run dir
 # reference: trains the DeepSeek-V3-architecture reference target (deterministic, seed 0) into /tmp/ref;
 # random: the same architecture with random weights (speed figures only). Needs build/gpu
 # (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
@@ -45,6 +46,11 @@ for s in $STEPS; do case $s in
                ${PIPELINE_ARGS:-} --evaluate.draft_steps $k --evaluate.methods '[eagle3_chain,plain]' \
                --evaluate.batch_sizes '[1]' --evaluate.step_costs false --force true
              cp /tmp/runs/h200/eval/results.json "$OUT/k${k}_eval_results.json" 2>/dev/null; done ;;
+  regen)     R="--run_dir /tmp/runs/h200-regen --prepare.max_samples ${REGEN_SAMPLES:-64}"
+             step regen "${REGEN_LIMIT:-150}" bash -c "python3 -m draftsmith.cli prepare benchmarks/recipes/h200.yaml $R && \
+               python3 -m draftsmith.cli regenerate benchmarks/recipes/h200.yaml $R --regenerate.enabled true \
+               --regenerate.max_new_tokens 128 --regenerate.keep_truncated true --regenerate.batch_size 32"
+             python3 -m draftsmith.cli status /tmp/runs/h200-regen --json > "$OUT/regen_status.json" 2>&1 ;;
   gputests)  step gputests "${GPUTESTS_LIMIT:-90}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
   fasttests) step fasttests "${FASTTESTS_LIMIT:-240}" python3 -m pytest -q tests/test_fast.py -p no:cacheprovider -k "${FASTTESTS_K:-}" ;;
   fast)      step fast "${FAST_LIMIT:-330}" python3 benchmarks/bench_fast.py --moe_target /tmp/ref --out "$OUT/bench_fast.json" ;;
