@@ -62,6 +62,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def remove_temp_files(directory: str | Path, recursive: bool = False) -> None:
+    """Delete the temp files (`.NAME.tmp-PID`) that atomic writes killed mid-way left in
+    `directory` (and below it when `recursive`). Call it only where no other process is writing."""
+    d = Path(directory)
+    for stale in (d.rglob if recursive else d.glob)(".*.tmp-*"):
+        stale.unlink(missing_ok=True)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 

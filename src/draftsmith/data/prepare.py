@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, load_manifest, log,
-                         new_manifest, sha256_file, stage_dir, verify_shards, write_manifest)
+                         new_manifest, remove_temp_files, sha256_file, stage_dir, verify_shards, write_manifest)
 from ..config import PrepareConfig, Recipe
 from ..target.model import load_tokenizer
 from .readers import SKIP_REASONS, ReadStats, read_conversations, resolve_source
@@ -81,8 +81,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if same and m["status"] == "running":
         for p in verify_shards(out, m):
             token_counts += _masked_counts(read_shard(p, with_hidden=False), vocab)
-        for stale in out.glob(".*.tmp-*"):
-            stale.unlink(missing_ok=True)
+        remove_temp_files(out)
         log(f"[prepare] resuming after {len(m['shards'])} shard(s), at source record {m['state']['next_record']:,}")
     else:
         if m is not None:

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
-                         load_manifest, log, new_manifest, require_complete, stage_dir, verify_shards, write_manifest)
+                         load_manifest, log, new_manifest, remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
 from .readers import ReadStats, read_conversations
 from .shards import Sample, read_shard, shard_name, write_shard
@@ -206,8 +206,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                        "loss_tokens": 0}
         atomic_write_text(out / ERRORS_FILE, "")
         write_manifest(out, m)
-    for stale in out.glob(".*.tmp-*"):
-        stale.unlink(missing_ok=True)
+    remove_temp_files(out)
     errors_text = (out / ERRORS_FILE).read_text(encoding="utf-8") if (out / ERRORS_FILE).exists() else ""
     # errors of chunks the manifest lists; lines of a chunk that was cut off are written again
     done_chunks = len(m["shards"])

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..artifacts import DraftsmithError
+from ..artifacts import DraftsmithError, log
 from ..target.model import Target, TargetOutput
 
 MODES = ("off", "static", "graphs", "compile")
@@ -113,8 +113,6 @@ class Graphed:
             try:
                 return self._capture(key, xs)
             except Exception as e:  # fn cannot be captured: run it eagerly from now on (a real error recurs there)
-                from ..artifacts import log
-
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 log(f"[fast] CUDA graph capture of {getattr(self.fn, '__qualname__', self.fn)} failed "
@@ -145,8 +143,6 @@ def graph_safe_experts(model: torch.nn.Module) -> bool:
     experts loop over the experts that got tokens, and grouped_mm outside bf16 takes a fallback,
     both syncing the host; such a target is switched to grouped_mm (bf16) or batched_mm. False
     (and a log line) when none can be set: the run uses static caches without graphs."""
-    from ..artifacts import log
-
     impl = getattr(model.config, "_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", lambda: False)
     if impl not in ("eager", "grouped_mm") or not can_set():

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
-                         require_complete, stage_dir, verify_shards, write_manifest)
+                         remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe
 from ..pipeline import token_stage
 from ..data.shards import STORAGE_DTYPES, Sample, length_batches, read_shard, write_shard
@@ -166,8 +166,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             shutil.rmtree(out_dir, ignore_errors=True)
             out_dir.mkdir(parents=True)
             m = new_manifest("capture", fp, cfg, {upstream: data_m["fingerprint"]})
-        for stale in out_dir.glob(".*.tmp-*"):  # half-written files of a killed run
-            stale.unlink(missing_ok=True)
+        remove_temp_files(out_dir)  # half-written files of a killed run
         m["timings"]["load_target_s"] = load_s
         m.update(aux_layer_ids=target.aux_layer_ids, num_layers=target.num_layers, hidden_size=target.hidden_size,
                  target_vocab_size=target.vocab_size, storage_dtype=cfg.storage_dtype, bytes_per_token=bpt,

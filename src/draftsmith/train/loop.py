@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, finish_manifest, load_manifest, log,
-                         new_manifest, require_complete, stage_dir, to_jsonable, verify_shards, write_manifest)
+                         new_manifest, remove_temp_files, require_complete, stage_dir, to_jsonable, verify_shards, write_manifest)
 from ..config import Recipe
 from ..draft.build import drafter_config, init_drafter, read_target_embeddings
 from ..draft.model import Eagle3Drafter, save_drafter
@@ -217,8 +217,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     manifest["online"] = bool(tc.online)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in out_dir.rglob(".*.tmp-*"):  # half-written files of a killed run (rank 0 is the only writer)
-            stale.unlink(missing_ok=True)
+        remove_temp_files(out_dir, recursive=True)  # half-written files of a killed run (rank 0 is the only writer)
         write_manifest(out_dir, manifest)
     # Hashing every shard costs a full read of the capture; do it once (rank 0), not on each resume.
     shard_paths = verify_shards(src_dir, src_m, check_hash=latest is None and main)
