@@ -8,7 +8,8 @@ One optimizer step = forward + backward of the TTT loss (k steps, train.ttt.TTTL
 module the train stage runs) over one sample of `seq` tokens, clip, AdamW; bf16 autocast
 with float32 master weights on CUDA. MFU = tokens/s * train.flops.train_flops_per_token /
 peak FLOP/s (train.flops.PEAK_BF16_TFLOPS or --peak-tflops). JSON keys: train_mfu_h2048 and
-train_tokens_per_s_h2048 (best sequence length at hidden 2048), kimi_max_seq_len, runs[].
+train_tokens_per_s_h2048 (best sequence length at hidden 2048), kimi_max_seq_len (the longest
+sequence that trained; kimi_stopped says why the probe stopped: out of memory or --budget-s), runs[].
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import argparse
 import json
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
+from draftsmith.artifacts import atomic_write_json
 from draftsmith.draft.model import Eagle3Config, Eagle3Drafter
 from draftsmith.train.flops import peak_flops, train_flops_per_token
 from draftsmith.train.ttt import TTTLoss, position_weights
@@ -85,8 +88,11 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=["auto", "chunked", "flex", "reference"])
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default=None, help="write the JSON here (also printed)")
+    ap.add_argument("--out", default=None, help="write the JSON here (also printed); rewritten after every run")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new Kimi-shaped run after this many seconds (the result says where it stopped)")
     a = ap.parse_args()
+    t_start = time.perf_counter()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     peak = peak_flops(device, a.peak_tflops)
     if a.smoke:
@@ -96,8 +102,24 @@ def main() -> None:
         hiddens, seqs, vocab, draft_vocab = [1024, 2048, 4096], [2048, 8192], 128_256, 32_000
         # Kimi-K2: H 7168, 64 heads (MLA, v_head_dim 128 -> drafter head_dim 128), dense FFN 18432
         kimi = (7168, 64, 64, 128, 18432, 163_840, 32_000)
-        kimi_seqs, iters, warmup = [4096, 8192, 12288, 16384, 24576, 32768, 49152, 65536], a.iters, 2
-    runs = []
+        kimi_seqs, iters, warmup = [4096, 8192, 16384, 32768, 65536], a.iters, 2
+    H, nh, nkv, hd, inter, tv, dv = kimi
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "smoke": a.smoke,
+              "torch": torch.__version__, "ttt_steps": a.ttt_steps, "attention": a.attention, "peak_flops": peak,
+              "kimi_shape": dict(zip(["hidden", "heads", "kv_heads", "head_dim", "intermediate", "target_vocab",
+                                      "draft_vocab"], kimi)),
+              "runs": [], "kimi_runs": [], "kimi_max_seq_len": None, "kimi_stopped": None}
+    runs, kimi_runs = result["runs"], result["kimi_runs"]
+
+    def save() -> None:  # after every run, so a step killed at its time limit keeps what it measured
+        h2048 = [r for r in runs if r["hidden"] == (128 if a.smoke else 2048) and "error" not in r]
+        best = max(h2048, key=lambda r: r["tokens_per_s"] * r["train_flops_per_token"], default={})
+        result.update(train_mfu_h2048=best.get("mfu"), train_tokens_per_s_h2048=best.get("tokens_per_s"),
+                      train_h2048_seq=best.get("seq"))
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(Path(a.out), result)
+
     for H in hiddens:
         heads = max(4, H // 128)
         cfg = drafter_cfg(H, vocab, draft_vocab, heads, max(1, heads // 4), H // heads, int(8 * H / 3 // 256 * 256) or 2 * H)
@@ -110,41 +132,33 @@ def main() -> None:
                 r = {"hidden": H, "seq": seq, "error": "out of memory"}
             runs.append(r)
             print(json.dumps(r), flush=True)
+            save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    H, nh, nkv, hd, inter, tv, dv = kimi
     kcfg = drafter_cfg(H, tv, dv, nh, nkv, hd, inter)
-    kimi_max, kimi_runs = None, []
     for seq in kimi_seqs:
+        if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
+            result["kimi_stopped"] = f"time budget ({a.budget_s:.0f} s) spent before seq {seq}"
+            break
+        t0 = time.perf_counter()
         try:
             r = measure(kcfg, seq, a.ttt_steps, device, a.attention, 1, 1, peak)
         except RuntimeError as e:
             if not is_oom(e):
                 raise
             kimi_runs.append({"seq": seq, "error": "out of memory"})
+            result["kimi_stopped"] = f"out of memory at seq {seq}"
             print(json.dumps(kimi_runs[-1]), flush=True)
             break
-        kimi_max = seq
+        r["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["kimi_max_seq_len"] = seq
         kimi_runs.append(r)
         print(json.dumps(r), flush=True)
+        save()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    h2048 = [r for r in runs if r["hidden"] == (128 if a.smoke else 2048) and "error" not in r]
-    best = max(h2048, key=lambda r: r["tokens_per_s"] * r["train_flops_per_token"], default={})
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "smoke": a.smoke,
-              "torch": torch.__version__, "ttt_steps": a.ttt_steps, "attention": a.attention, "peak_flops": peak,
-              "train_mfu_h2048": best.get("mfu"), "train_tokens_per_s_h2048": best.get("tokens_per_s"),
-              "train_h2048_seq": best.get("seq"), "kimi_max_seq_len": kimi_max,
-              "kimi_shape": dict(zip(["hidden", "heads", "kv_heads", "head_dim", "intermediate", "target_vocab", "draft_vocab"], kimi)),
-              "runs": runs, "kimi_runs": kimi_runs}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        from pathlib import Path
-
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
-
+    save()
+    print(json.dumps(result, indent=2))
 
 if __name__ == "__main__":
     main()

@@ -3,11 +3,13 @@
     python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver            # print
     python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver --update benchmarks/results/h200.json
 
-Reads (prefixes are the GPU calls of the run, see BENCHMARKS.md): C-eval_results.json (the
-pipeline's evaluate: MT-Bench, batch 1/4/16), B-fp8_eval_results.json (the same pipeline on fp8
-captures), B-k3/B-k7_eval_results.json (chain k sweeps), C-humaneval_eval_results.json,
-A-reference_training.json, A-train_metrics.jsonl and E-bench_capture.json. Every figure is computed here from those
-files; nothing is typed in."""
+Reads the files benchmarks/h200.sh leaves in $OUT, each under its own name or with a call's
+prefix (`B-fp8_eval_results.json`; see BENCHMARKS.md for the calls): eval_results.json (the
+pipeline's evaluate: MT-Bench, batch 1/4/16), fp8_eval_results.json (the same pipeline on fp8
+captures), k3/k7_eval_results.json (chain k sweeps), humaneval_eval_results.json,
+reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
+pipeline's training MFU), bench_capture.json, bench_train.json, regen_manifest.json and
+profile_rounds.json. Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
 
 import argparse
@@ -24,9 +26,22 @@ def r3(x: float) -> float:
     return round(float(x), 3)
 
 
+def find(d: Path, name: str) -> Path | None:
+    """`name` in d, or the one file named PREFIX-name (a call's copy)."""
+    hits = [p for p in sorted(d.iterdir()) if p.name == name or p.name.endswith("-" + name)]
+    if len(hits) > 1:
+        sys.exit(f"{d}: several files named {name}: {', '.join(p.name for p in hits)}; keep one")
+    return hits[0] if hits else None
+
+
 def collect(d: Path) -> dict:
-    load = lambda name: json.loads((d / name).read_text())  # noqa: E731
-    main, fp8 = load("C-eval_results.json"), load("B-fp8_eval_results.json")
+    def load(name: str, required: bool = True):
+        p = find(d, name)
+        if p is None and required:
+            sys.exit(f"{d}: no {name} (nor PREFIX-{name}); run the driver step that writes it (benchmarks/h200.sh)")
+        return None if p is None else json.loads(p.read_text())
+
+    main, fp8 = load("eval_results.json"), load("fp8_eval_results.json")
     chain, tree, ngram = (overall(main, m) for m in ("eagle3_chain", "eagle3_tree", "ngram"))
     batches = main["summary"]["batches"]
     roof = main["summary"]["roofline"]
@@ -53,23 +68,43 @@ def collect(d: Path) -> dict:
     out["fp8_tau_loss_pct_by_method"] = loss
     out["tau_fp8_captures"] = {m: r3(overall(fp8, m)["tau"]) for m in ("eagle3_chain", "eagle3_tree")}
     sweep = {}
-    for k, name in ((3, "B-k3_eval_results.json"), (5, None), (7, "B-k7_eval_results.json")):
+    for k, name in ((3, "k3_eval_results.json"), (5, None), (7, "k7_eval_results.json")):
         o = chain if name is None else overall(load(name), "eagle3_chain")
         sweep[str(k)] = {"tau": r3(o["tau"]), "speedup": r3(o["speedup"])}
     out["chain_k_sweep_mtbench_bs1"] = sweep
-    he = load("C-humaneval_eval_results.json")
+    he = load("humaneval_eval_results.json")
     out["humaneval_bs1"] = {m: {"tau": r3(overall(he, m)["tau"]), "speedup": r3(overall(he, m)["speedup"])}
                             for m in ("eagle3_chain", "eagle3_tree", "ngram")}
-    if (d / "E-bench_capture.json").exists():  # capture throughput (random-weight target, bench_capture.py)
-        cap = load("E-bench_capture.json")
+    cap = load("bench_capture.json", required=False)  # capture throughput (bench_capture.py)
+    if cap:
         out.update({k: cap[k] for k in ("capture_over_forward", "capture_over_forward_fp8", "bytes_per_token_bf16",
                                         "bytes_per_token_fp8", "forward_tokens_per_s", "capture_tokens_per_s_bf16",
                                         "capture_tokens_per_s_fp8")})
-    ref = load("A-reference_training.json")
+    ref = load("reference_training.json")
     out["reference_target"] = {k: ref[k] for k in ("params", "steps", "train_tokens_seen", "train_seconds", "val_loss", "val_ppl")}
-    rows = [json.loads(line) for line in (d / "A-train_metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in find(d, "train_metrics.jsonl").read_text().splitlines() if line.strip()]
     last = [r for r in rows if "step" in r][-1]
     out["train_steps"], out["train_acc_per_position"] = last["step"], [round(a, 3) for a in last["acc"]]
+    tm = load("train_manifest.json", required=False)  # the pipeline's own training run
+    if tm:
+        m = tm["metrics"]
+        out["pipeline_train"] = {"tokens_per_s": round(m["tokens_per_s"], 1), "mfu": round(m["mfu"], 4),
+                                 "peak_memory_gib": m["peak_memory_gib"], "steps": m["steps"]}
+    bt = load("bench_train.json", required=False)  # drafter training throughput at fixed shapes
+    if bt:
+        out.update({k: bt[k] for k in ("train_mfu_h2048", "train_tokens_per_s_h2048", "train_h2048_seq",
+                                       "kimi_max_seq_len", "kimi_stopped")})
+        out["train_runs"] = bt["runs"]
+        out["kimi_runs"] = bt["kimi_runs"]
+    rg = load("regen_manifest.json", required=False)  # the target rewrites a subset's answers
+    if rg:
+        out["regenerate"] = {**rg["counts"], "seconds": rg["timings"]["regenerate_s"],
+                             "loss_tokens_per_s": rg["metrics"].get("loss_tokens_per_s"),
+                             "max_new_tokens": rg["config"]["max_new_tokens"], "batch_size": rg["config"]["batch_size"]}
+    pr = load("profile_rounds.json", required=False)  # where a round's time goes
+    if pr:
+        out["round_profile"] = {m: {k: v[k] for k in ("rounds", "ms_per_round_profiled", "gpu_busy_ms_per_round")}
+                                for m, v in pr["methods"].items()}
     return out
 
 

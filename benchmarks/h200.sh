@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The H200 benchmark driver, in steps that each fit one GPU job (<= 10 minutes):
-#   STEPS="reference pipeline speculative" bash benchmarks/h200.sh   # job 1: target -> pipeline -> engine bench
-#   STEPS="random capture train" bash benchmarks/h200.sh             # job 2: capture and training throughput
-#   STEPS="fasttests random fast" bash benchmarks/h200.sh            # job 3: fast-path tests on the GPU, plain decode vs bandwidth
-#   STEPS="fp8 humaneval ksweep gputests fasttests" bash benchmarks/h200.sh  # after `reference pipeline` on the same machine:
-#       fp8: the same pipeline on fp8 captures (tau only) -> fp8_tau_loss_pct; humaneval: the pipeline's drafter on
-#       HumanEval; ksweep: chain k = 3 and 7; gputests: pytest -m gpu; regen: the target rewrites the answers
-#       of a subset (REGEN_SAMPLES conversations, local batched generate) in its own run dir
+# The H200 benchmark driver, in steps that each fit one GPU job (<= 10 minutes). The full run is
+# three calls one after another on one machine (they share /tmp/ref and /tmp/runs):
+#   A="--prepare.max_samples 2000 --evaluate.max_prompts 16 --evaluate.check_lossless false"
+#   STEPS="reference pipeline" REF_MINUTES=2 PIPELINE_LIMIT=400 PIPELINE_ARGS="$A" bash benchmarks/h200.sh   # call A
+#   STEPS="pipeline regen humaneval ksweep profile capture" PIPELINE_ARGS="$A" bash benchmarks/h200.sh     # call B
+#   STEPS="fp8 train gputests" TRAIN_LIMIT=170 TRAIN_BUDGET=120 PIPELINE_ARGS="$A" bash benchmarks/h200.sh  # call C
+# then `python benchmarks/collect_h200.py DIR --update benchmarks/results/h200.json` on their outputs.
+# Steps: reference -> pipeline (prepare, capture, vocab, train, evaluate at batch 1/4/16 with plain,
+# chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
+# conversations' answers, its own run dir) -> humaneval -> ksweep (chain k = 3, 7) -> profile (where a
+# round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
+# -> train (drafter training MFU at fixed shapes) -> gputests (pytest -m gpu). Also: random (random
+# weights, speed only), speculative (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (deterministic, seed 0) into /tmp/ref;
 # random: the same architecture with random weights (speed figures only). Needs build/gpu
 # (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
@@ -27,7 +32,8 @@ for s in $STEPS; do case $s in
   random)    step random 80 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
                --out /tmp/ref --max_minutes 0 --max_val_tokens 20000 ;;
   pipeline)  step pipeline "${PIPELINE_LIMIT:-300}" python3 -m draftsmith.cli run benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-}
-             for f in eval/results.json eval/report.md eval/acceptance.png train/metrics.jsonl; do
+             for f in eval/results.json eval/report.md eval/acceptance.png train/metrics.jsonl train/manifest.json \
+                      capture/manifest.json; do
                cp "/tmp/runs/h200/$f" "$OUT/$(echo "$f" | tr / _)" 2>/dev/null; done
              python3 -m draftsmith.cli status /tmp/runs/h200 --json > "$OUT/status.json" 2>&1
              python3 -m draftsmith.cli plan --run_dir /tmp/runs/h200 --batch_sizes '[1,4,16]' > "$OUT/plan.txt" 2>&1 ;;
@@ -50,13 +56,17 @@ for s in $STEPS; do case $s in
              step regen "${REGEN_LIMIT:-150}" bash -c "python3 -m draftsmith.cli prepare benchmarks/recipes/h200.yaml $R && \
                python3 -m draftsmith.cli regenerate benchmarks/recipes/h200.yaml $R --regenerate.enabled true \
                --regenerate.max_new_tokens 128 --regenerate.keep_truncated true --regenerate.batch_size 32"
+             cp /tmp/runs/h200-regen/regen/manifest.json "$OUT/regen_manifest.json" 2>/dev/null
              python3 -m draftsmith.cli status /tmp/runs/h200-regen --json > "$OUT/regen_status.json" 2>&1 ;;
+  profile)   step profile "${PROFILE_LIMIT:-90}" python3 benchmarks/profile_rounds.py benchmarks/recipes/h200.yaml \
+               --out "$OUT/profile_rounds.json" ;;
   gputests)  step gputests "${GPUTESTS_LIMIT:-90}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
   fasttests) step fasttests "${FASTTESTS_LIMIT:-240}" python3 -m pytest -q tests/test_fast.py -p no:cacheprovider -k "${FASTTESTS_K:-}" ;;
   fast)      step fast "${FAST_LIMIT:-330}" python3 benchmarks/bench_fast.py --moe_target /tmp/ref --out "$OUT/bench_fast.json" ;;
   capture)   step capture 110 python3 benchmarks/bench_capture.py --target /tmp/ref --batch 8 --seq-len 1024 \
                --out "$OUT/bench_capture.json" ;;
-  train)     step train 230 python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" ;;
+  train)     step train "${TRAIN_LIMIT:-230}" python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" \
+               --budget-s "${TRAIN_BUDGET:-170}" ;;
   *) echo "unknown step $s" ;;
 esac; done
 ls -la "$OUT"

@@ -264,6 +264,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     sha = atomic_save_safetensors(out / COUNTS_FILE, {"counts": counts_vec}, metadata={"stage": "regenerate"})
     m["files"] = [{"file": COUNTS_FILE, "sha256": sha}, {"file": ERRORS_FILE}]
     m["timings"]["regenerate_s"] = round(m["timings"].get("regenerate_s", 0) + time.time() - t0, 3)
+    if m["timings"]["regenerate_s"] > 0:  # assistant tokens (the generated answers) per second, all chunks
+        m["metrics"]["loss_tokens_per_s"] = round(counts["loss_tokens"] / m["timings"]["regenerate_s"], 1)
     left_out = counts["conversations"] - counts["kept"]
     log(f"[regenerate] kept {counts['kept']:,} of {counts['conversations']:,} conversations; {left_out:,} left out "
         f"({counts['truncated']} truncated, {counts['failed']} failed, {counts['no_loss_tokens']} without loss tokens), "
