@@ -193,3 +193,25 @@ def test_unreachable_server_fails_every_request(tmp_path):
     assert main(["regenerate", *args]) == 2  # nothing kept: a one-line error naming errors.jsonl
     errors = read_errors(tmp_path / "run")
     assert len(errors) == 7 and all("request failed after 1 attempt(s)" in e["reason"] for e in errors)
+
+
+def test_turns_past_max_length_are_not_generated():
+    """A turn whose prompt already fills prepare.max_length is cut off in training anyway: the
+    conversation ends before it, and it costs no generate call."""
+    from draftsmith.data.regenerate import Answer, regenerate_conversations
+
+    calls = []
+
+    def generate(prompts):
+        calls.append(len(prompts))
+        return [Answer(text="x" * 10) for _ in prompts]
+
+    long = [m for i in range(5) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "old"})]
+    short = long[:4]
+    fits = lambda msgs: sum(len(m["content"]) for m in msgs) < 25  # noqa: E731  (2 answers of 10 fit, a 3rd does not)
+    [(a, fa), (b, fb)] = regenerate_conversations(generate, [long, short], fits)
+    assert fa is fb is None and calls == [2, 2]  # round 3 of `long` is skipped: its prompt no longer fits
+    assert [m["content"] for m in a] == ["q0", "x" * 10, "q1", "x" * 10, "q2"]  # ends before the cut turn
+    assert [m["content"] for m in b] == ["q0", "x" * 10, "q1", "x" * 10]
+    everything = regenerate_conversations(generate, [long])  # no limit: every turn
+    assert calls[2:] == [1] * 5 and everything[0][0][-1]["content"] == "x" * 10

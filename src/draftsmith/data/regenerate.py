@@ -27,7 +27,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -164,14 +164,21 @@ class ServerGenerator:
 # ----------------------------------------------------------------------------- the stage
 
 
-def regenerate_conversations(generate, conversations: Sequence[list[dict]]) -> list[tuple[list[dict], Optional[str]]]:
+def regenerate_conversations(generate, conversations: Sequence[list[dict]],
+                             fits: Optional[Callable[[list[dict]], bool]] = None) -> list[tuple[list[dict], Optional[str]]]:
     """Each conversation with its assistant turns replaced, round by round (turn r of every
-    conversation in one call of `generate`), or with the reason it failed."""
+    conversation in one call of `generate`), or with the reason it failed. `fits(messages)`
+    says whether an answer to these messages still starts inside prepare.max_length; a
+    conversation ends before its first turn that does not (training would cut it off anyway)."""
     msgs = [[dict(m) for m in c] for c in conversations]
     turns = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in msgs]
     failed: list[Optional[str]] = [None] * len(msgs)
     for r in range(max((len(t) for t in turns), default=0)):
         todo = [i for i in range(len(msgs)) if failed[i] is None and r < len(turns[i])]
+        if fits is not None:
+            for i in [i for i in todo if r > 0 and not fits(msgs[i][:turns[i][r]])]:
+                msgs[i], turns[i] = msgs[i][:turns[i][r]], turns[i][:r]
+            todo = [i for i in todo if r < len(turns[i])]
         if not todo:
             break
         answers = generate([msgs[i][:turns[i][r]] for i in todo])
@@ -216,6 +223,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
+
+    def fits(messages: list[dict]) -> bool:  # the prompt of the next answer, as render would count it
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"]) < pcfg.max_length
     log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {m['backend']}; "
         f"{done_chunks} chunk(s) done before")
     counts = m["counts"]
@@ -228,7 +239,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         if [c.index for c in convs] != chunks[k]:
             raise DraftsmithError(f"{path}: records {chunks[k][0]}..{chunks[k][-1]} no longer match what prepare read; "
                                   "the source changed, rerun `draftsmith prepare --force`")
-        results = regenerate_conversations(generate, [c.messages for c in convs])
+        results = regenerate_conversations(generate, [c.messages for c in convs], fits)
         samples, texts = [], []
         for conv, (msgs, reason) in zip(convs, results):
             kind = None if reason is None else "truncated" if "truncated" in reason else "failed"
