@@ -5,8 +5,8 @@
 
 Reads the files benchmarks/h200.sh leaves in $OUT, each under its own name or with a call's
 prefix (`B-fp8_eval_results.json`; see BENCHMARKS.md for the calls): eval_results.json (the
-pipeline's evaluate: MT-Bench, batch 1/4/16), fp8_eval_results.json (the same pipeline on fp8
-captures), k3/k7_eval_results.json (chain k sweeps), humaneval_eval_results.json,
+pipeline's evaluate: MT-Bench, batch 1/4/16), fp8_eval_results.json (where present: the same
+pipeline on fp8 captures), k3/k7_eval_results.json (chain k sweeps), humaneval_eval_results.json,
 reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
 pipeline's training MFU), bench_capture.json, bench_train.json, regen_manifest.json and
 profile_rounds.json. Every figure is computed here from those files; nothing is typed in."""
@@ -41,7 +41,7 @@ def collect(d: Path) -> dict:
             sys.exit(f"{d}: no {name} (nor PREFIX-{name}); run the driver step that writes it (benchmarks/h200.sh)")
         return None if p is None else json.loads(p.read_text())
 
-    main, fp8 = load("eval_results.json"), load("fp8_eval_results.json")
+    main, fp8 = load("eval_results.json"), load("fp8_eval_results.json", required=False)
     chain, tree, ngram = (overall(main, m) for m in ("eagle3_chain", "eagle3_tree", "ngram"))
     batches = main["summary"]["batches"]
     roof = main["summary"]["roofline"]
@@ -62,11 +62,12 @@ def collect(d: Path) -> dict:
                                                           "plain_overhead_ms")},
         "lossless_bs1": {m: main["summary"]["methods"][m]["lossless"] for m in ("eagle3_chain", "eagle3_tree", "ngram")},
     }
-    loss = {m: r3(100 * (overall(main, m)["tau"] - overall(fp8, m)["tau"]) / overall(main, m)["tau"])
-            for m in ("eagle3_chain", "eagle3_tree")}
-    out["fp8_tau_loss_pct"] = max(loss.values())
-    out["fp8_tau_loss_pct_by_method"] = loss
-    out["tau_fp8_captures"] = {m: r3(overall(fp8, m)["tau"]) for m in ("eagle3_chain", "eagle3_tree")}
+    if fp8:  # the same pipeline and seed on fp8 captures
+        loss = {m: r3(100 * (overall(main, m)["tau"] - overall(fp8, m)["tau"]) / overall(main, m)["tau"])
+                for m in ("eagle3_chain", "eagle3_tree")}
+        out["fp8_tau_loss_pct"] = max(loss.values())
+        out["fp8_tau_loss_pct_by_method"] = loss
+        out["tau_fp8_captures"] = {m: r3(overall(fp8, m)["tau"]) for m in ("eagle3_chain", "eagle3_tree")}
     sweep = {}
     for k, name in ((3, "k3_eval_results.json"), (5, None), (7, "k7_eval_results.json")):
         o = chain if name is None else overall(load(name), "eagle3_chain")

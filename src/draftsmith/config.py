@@ -63,7 +63,9 @@ class PrepareConfig:
 
 @dataclass
 class RegenerateConfig:
-    """Optional: the target rewrites the assistant turns (prepare -> regenerate -> capture)."""
+    """Optional: the target rewrites the assistant turns (prepare -> regenerate -> capture). A
+    conversation ends before the first turn whose prompt already fills prepare.max_length (training
+    would cut that turn off), so long conversations cost no generation past the training window."""
 
     enabled: bool = False
     """Regenerate the answers; capture then reads regen/ instead of data/."""
