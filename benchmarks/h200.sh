@@ -12,7 +12,9 @@
 # round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
 # -> train (drafter training MFU at fixed shapes) -> gputests (pytest -m gpu). Also: random (random
 # weights, speed only), speculative (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
-# reference: trains the DeepSeek-V3-architecture reference target (deterministic, seed 0) into /tmp/ref;
+# reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
+# with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
+# trains the same target (the time limit only caps it). Without it the time cut varies the steps (264/266/271);
 # random: the same architecture with random weights (speed figures only). Needs build/gpu
 # (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
 # under $OUT, so a failed or overrun step keeps the others' figures.
@@ -27,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for s in $STEPS; do case $s in
   reference) step reference 200 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
-               --out /tmp/ref --max_minutes "${REF_MINUTES:-2.5}" --batch_size 32 --lr 1.5e-3 --max_val_tokens 100000
+               --out /tmp/ref --max_minutes "${REF_MINUTES:-2.5}" --max_steps "${REF_STEPS:-100000}" --batch_size 32 --lr 1.5e-3 --max_val_tokens 100000
              cp /tmp/ref/training.json "$OUT/reference_training.json" ;;
   random)    step random 80 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
                --out /tmp/ref --max_minutes 0 --max_val_tokens 20000 ;;

@@ -2,13 +2,14 @@
 
 No pretrained LLM can be downloaded here, so draftsmith trains its own chat models:
   tiny-llama  Llama architecture, ~6M params, committed under assets/ for the quickstart
-  dsv3        DeepSeek-V3 architecture (MLA + MoE, a dense first layer), ~150M params, GPU only
+  dsv3        DeepSeek-V3 architecture (MLA + MoE, a dense first layer), 255M params, GPU only
 
 Two steps, so that the GPU machine (no network, 64 MiB upload) gets a compact corpus:
 
   # 1. CPU: train a byte-level BPE tokenizer with draftsmith's chat template and tokenize
   python benchmarks/reference_target.py corpus --out build/corpus --vocab_size 4096 --max_conversations 12000
-  # 2. CPU or GPU: train the model on the token stream, deterministic given --seed
+  # 2. CPU or GPU: train the model on the token stream. Data order and schedule are fixed by --seed
+  #    when --max_steps ends the run; a --max_minutes cut ends it wherever the clock says
   python benchmarks/reference_target.py train --corpus build/corpus --preset tiny-llama --out assets/tiny-llama-sharegpt
 
 Every conversation is rendered with the chat template and trained on all tokens (plain LM
