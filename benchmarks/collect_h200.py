@@ -35,10 +35,14 @@ def find(d: Path, name: str) -> Path | None:
 
 
 def collect(d: Path) -> dict:
-    def load(name: str, required: bool = True):
+    def path(name: str, required: bool = True) -> Path | None:
         p = find(d, name)
         if p is None and required:
             sys.exit(f"{d}: no {name} (nor PREFIX-{name}); run the driver step that writes it (benchmarks/h200.sh)")
+        return p
+
+    def load(name: str, required: bool = True):
+        p = path(name, required)
         return None if p is None else json.loads(p.read_text())
 
     main, fp8 = load("eval_results.json"), load("fp8_eval_results.json", required=False)
@@ -83,7 +87,7 @@ def collect(d: Path) -> dict:
                                         "capture_tokens_per_s_fp8")})
     ref = load("reference_training.json")
     out["reference_target"] = {k: ref[k] for k in ("params", "steps", "train_tokens_seen", "train_seconds", "val_loss", "val_ppl")}
-    rows = [json.loads(line) for line in find(d, "train_metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path("train_metrics.jsonl").read_text().splitlines() if line.strip()]
     last = [r for r in rows if "step" in r][-1]
     out["train_steps"], out["train_acc_per_position"] = last["step"], [round(a, 3) for a in last["acc"]]
     tm = load("train_manifest.json", required=False)  # the pipeline's own training run

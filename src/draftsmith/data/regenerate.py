@@ -53,6 +53,13 @@ class Answer:
 # ----------------------------------------------------------------------------- generators
 
 
+def prompt_ids(tok, messages: Sequence[dict]) -> list[int]:
+    """Token ids of the prompt for the next assistant answer: the chat template with the
+    generation prompt, tokenized as prepare's render counts tokens (no added special tokens)."""
+    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 class LocalGenerator:
     """Batched `generate` of the target, left-padded; greedy at temperature 0."""
 
@@ -77,8 +84,7 @@ class LocalGenerator:
 
     @torch.inference_mode()
     def _batch(self, conversations: Sequence[list[dict]]) -> list[Answer]:
-        prompts = [self.tok.apply_chat_template(list(c), tokenize=False, add_generation_prompt=True) for c in conversations]
-        enc = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        enc = [prompt_ids(self.tok, c) for c in conversations]
         L = max(len(e) for e in enc)
         ids = torch.full((len(enc), L), self.pad, dtype=torch.long)
         mask = torch.zeros((len(enc), L), dtype=torch.long)
@@ -175,9 +181,10 @@ def regenerate_conversations(generate, conversations: Sequence[list[dict]],
     failed: list[Optional[str]] = [None] * len(msgs)
     for r in range(max((len(t) for t in turns), default=0)):
         todo = [i for i in range(len(msgs)) if failed[i] is None and r < len(turns[i])]
-        if fits is not None:
-            for i in [i for i in todo if r > 0 and not fits(msgs[i][:turns[i][r]])]:
-                msgs[i], turns[i] = msgs[i][:turns[i][r]], turns[i][:r]
+        if fits is not None and r > 0:  # end a conversation before a turn training would cut off
+            for i in todo:
+                if not fits(msgs[i][:turns[i][r]]):
+                    msgs[i], turns[i] = msgs[i][:turns[i][r]], turns[i][:r]
             todo = [i for i in todo if r < len(turns[i])]
         if not todo:
             break
@@ -223,10 +230,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
-
-    def fits(messages: list[dict]) -> bool:  # the prompt of the next answer, as render would count it
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return len(tok(text, add_special_tokens=False)["input_ids"]) < pcfg.max_length
+    fits = lambda messages: len(prompt_ids(tok, messages)) < pcfg.max_length  # noqa: E731
     log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {m['backend']}; "
         f"{done_chunks} chunk(s) done before")
     counts = m["counts"]
