@@ -27,9 +27,10 @@ from draftsmith.train.flops import peak_flops, train_flops_per_token
 from draftsmith.train.ttt import TTTLoss, position_weights
 
 
-def drafter_cfg(H: int, target_vocab: int, draft_vocab: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> Eagle3Config:
-    return Eagle3Config(hidden_size=H, target_hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        head_dim=head_dim, intermediate_size=inter, vocab_size=target_vocab, draft_vocab_size=draft_vocab,
+def drafter_cfg(hidden: int, target_vocab: int, draft_vocab: int, heads: int, kv_heads: int, head_dim: int,
+                intermediate: int) -> Eagle3Config:
+    return Eagle3Config(hidden_size=hidden, target_hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        head_dim=head_dim, intermediate_size=intermediate, vocab_size=target_vocab, draft_vocab_size=draft_vocab,
                         max_position_embeddings=1 << 17)
 
 
@@ -90,6 +91,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None, help="write the JSON here (also printed); rewritten after every run")
+    ap.add_argument("--hiddens", type=int, nargs="*", default=None,
+                    help="drafter hidden sizes of the sweep (default 1024 2048 4096; none: only the Kimi probe)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new Kimi-shaped run after this many seconds (the result says where it stopped)")
     a = ap.parse_args()
@@ -104,7 +107,8 @@ def main() -> None:
         # Kimi-K2: H 7168, 64 heads (MLA, v_head_dim 128 -> drafter head_dim 128), dense FFN 18432
         kimi = (7168, 64, 64, 128, 18432, 163_840, 32_000)
         kimi_seqs, iters, warmup = [4096, 8192, 16384, 32768, 65536], a.iters, 2
-    H, nh, nkv, hd, inter, tv, dv = kimi
+    if a.hiddens is not None:
+        hiddens = a.hiddens
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "smoke": a.smoke,
               "torch": torch.__version__, "ttt_steps": a.ttt_steps, "attention": a.attention, "peak_flops": peak,
               "kimi_shape": dict(zip(["hidden", "heads", "kv_heads", "head_dim", "intermediate", "target_vocab",
@@ -136,7 +140,7 @@ def main() -> None:
             save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    kcfg = drafter_cfg(H, tv, dv, nh, nkv, hd, inter)
+    kcfg = drafter_cfg(**result["kimi_shape"])  # by name: an earlier version passed the sweep's last H here
     for seq in kimi_seqs:
         if a.budget_s is not None and time.perf_counter() - t_start > a.budget_s:
             result["kimi_stopped"] = f"time budget ({a.budget_s:.0f} s) spent before seq {seq}"

@@ -13,7 +13,7 @@
 # chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
 # conversations' answers, its own run dir) -> humaneval -> ksweep (chain k = 3, 7) -> profile (where a
 # round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
-# -> train (drafter training MFU at fixed shapes) -> gputests (pytest -m gpu). Also: random (random
+# -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone) -> gputests (pytest -m gpu). Also: random (random
 # weights, speed only), speculative (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
@@ -72,6 +72,8 @@ for s in $STEPS; do case $s in
                --out "$OUT/bench_capture.json" ;;
   train)     step train "${TRAIN_LIMIT:-230}" python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" \
                --budget-s "${TRAIN_BUDGET:-170}" ;;
+  kimi)      step kimi "${KIMI_LIMIT:-200}" python3 benchmarks/bench_train.py --hiddens --out "$OUT/bench_train_kimi.json" \
+               --budget-s "${KIMI_BUDGET:-150}" ;;
   *) echo "unknown step $s" ;;
 esac; done
 ls -la "$OUT"

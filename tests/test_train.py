@@ -196,3 +196,21 @@ def test_heldout_eval_keeps_best(tmp_path, target_dir):
     assert best["tau_simulated"] == max(e["tau"] for e in evals) == m["metrics"]["heldout_tau_simulated_best"]
     assert load_drafter(run_dir / "train" / "best").cfg.draft_vocab_size == 64
     assert m["counts"]["samples_heldout"] == 3 and m["counts"]["samples"] == 9
+
+
+def test_bench_train_smoke_probes_the_kimi_shape(tmp_path):
+    """benchmarks/bench_train.py --smoke: the sweep's shapes, then the Kimi-shaped probe at the
+    probe's own hidden size (a loop variable once leaked the sweep's last hidden size into it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench_train.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    subprocess.run([sys.executable, str(root / "benchmarks/bench_train.py"), "--smoke", "--hiddens", "64",
+                    "--out", str(out)], env=env, check=True, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert [x["hidden"] for x in r["runs"]] == [64, 64]
+    assert [x["hidden"] for x in r["kimi_runs"]] == [r["kimi_shape"]["hidden"]] * 2 == [256, 256]
+    assert r["kimi_max_seq_len"] == 256 and r["kimi_stopped"] is None
