@@ -8,7 +8,8 @@ prefix (`B-fp8_eval_results.json`; see BENCHMARKS.md for the calls): eval_result
 pipeline's evaluate: MT-Bench, batch 1/4/16), fp8_eval_results.json (where present: the same
 pipeline on fp8 captures), k3/k7_eval_results.json (chain k sweeps), humaneval_eval_results.json,
 reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
-pipeline's training MFU), bench_capture.json, bench_train.json, regen_manifest.json and
+pipeline's training MFU), bench_capture.json, bench_train.json, bench_train_kimi.json (its Kimi probe replaces
+bench_train.json's), regen_manifest.json and
 profile_rounds.json. Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def collect(d: Path) -> dict:
                                        "kimi_max_seq_len", "kimi_stopped")})
         out["train_runs"] = bt["runs"]
         out["kimi_runs"] = bt["kimi_runs"]
+    bk = load("bench_train_kimi.json", required=False)  # the Kimi-shaped probe on its own (driver step `kimi`)
+    if bk:
+        out.update({k: bk[k] for k in ("kimi_max_seq_len", "kimi_stopped", "kimi_runs")})
     rg = load("regen_manifest.json", required=False)  # the target rewrites a subset's answers
     if rg:
         out["regenerate"] = {**rg["counts"], "seconds": rg["timings"]["regenerate_s"],
@@ -118,11 +122,15 @@ def main() -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--update", type=Path, help="merge the figures into this JSON file")
     a = ap.parse_args()
+    if not a.run_dir.is_dir():
+        sys.exit(f"{a.run_dir}: no such directory; give the folder holding a driver run's files")
     figures = collect(a.run_dir)
     if a.update:
         data = json.loads(a.update.read_text()) if a.update.exists() else {}
         data.update(figures)
-        a.update.write_text(json.dumps(data, indent=1) + "\n")
+        tmp = a.update.with_name(a.update.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(a.update)  # atomic: a kill leaves the old file or the new one
     print(json.dumps(figures, indent=1))
     return 0
 
