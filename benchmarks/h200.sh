@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The H200 benchmark driver, in steps that each fit one GPU job (<= 10 minutes). The full run is
 # three calls one after another on one machine (they share /tmp/ref and /tmp/runs; the seconds are
-# what the steps took in the second driver run of 2026-12-03, BENCHMARKS.md):
+# what they took in the third driver run of 2026-12-03, BENCHMARKS.md):
 #   A="--prepare.max_samples 2000 --evaluate.max_prompts 16 --evaluate.check_lossless false"
 #   STEPS="reference pipeline" REF_MINUTES=2 REF_STEPS=260 PIPELINE_LIMIT=400 PIPELINE_ARGS="$A" \
-#     bash benchmarks/h200.sh                                                  # call A, ~430 s
-#   STEPS="fp8 humaneval ksweep profile" FP8_LIMIT=250 PIPELINE_ARGS="$A" bash benchmarks/h200.sh  # call B, ~480 s
-#   STEPS="regen capture train gputests" REGEN_SAMPLES=32 TRAIN_LIMIT=160 TRAIN_BUDGET=100 \
-#     bash benchmarks/h200.sh                                                  # call C, ~320 s
+#     bash benchmarks/h200.sh                                                  # call A, 426 s
+#   STEPS="fp8 humaneval ksweep profile" FP8_LIMIT=250 PIPELINE_ARGS="$A" bash benchmarks/h200.sh  # call B, 444 s
+#   STEPS="regen capture train gputests" REGEN_SAMPLES=32 TRAIN_LIMIT=300 TRAIN_BUDGET=230 \
+#     bash benchmarks/h200.sh                                                  # call C, 414 s
+# (`train` sweeps the drafter shapes, then probes the Kimi shape; `kimi` runs the probe alone, 149 s)
 # then `python benchmarks/collect_h200.py DIR --update benchmarks/results/h200.json` on their outputs.
 # Steps: reference -> pipeline (prepare, capture, vocab, train, evaluate at batch 1/4/16 with plain,
 # chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
