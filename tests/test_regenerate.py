@@ -215,3 +215,29 @@ def test_turns_past_max_length_are_not_generated():
     assert [m["content"] for m in b] == ["q0", "x" * 10, "q1", "x" * 10]
     everything = regenerate_conversations(generate, [long])  # no limit: every turn
     assert calls[2:] == [1] * 5 and everything[0][0][-1]["content"] == "x" * 10
+
+
+def test_local_fast_path_matches_generate(tmp_path):
+    """regenerate.fast static (the plain decoding evaluate times: static KV cache, batches padded
+    to batch_size) writes the same conversations as transformers' generate, greedy, float32. The
+    chunks hold 3 conversations and the batch is 4, so every call is padded; the two-turn
+    conversation's second round is a batch of one."""
+    got = {}
+    for fast in ("off", "static"):
+        d = tmp_path / fast
+        d.mkdir()
+        recipe = parse_recipe(_recipe(d, batch_size=4, keep_truncated=True, fast=fast))[0]
+        run_stage("prepare", recipe)
+        m = run_stage("regenerate", recipe)
+        assert m["decoding_path"] == {"off": "generate", "static": "static"}[fast]
+        got[fast] = _conversations(d / "run")
+    assert len(got["off"]) == 7 and got["static"] == got["off"]
+    assert len(got["off"][6]) == 4 and got["off"][6][3]["content"] != "Bye."  # both turns rewritten
+
+
+def test_local_graphs_on_cpu_is_a_config_error(tmp_path, capsys):
+    args = _recipe(tmp_path, fast="graphs")
+    assert main(["prepare", *args]) == 0
+    assert main(["regenerate", *args]) == 2
+    assert "regenerate.fast 'graphs' needs a CUDA device (the target is on cpu)" in capsys.readouterr().err
+    assert not list((tmp_path / "run" / "regen").glob("shard-*"))

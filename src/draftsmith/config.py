@@ -71,7 +71,7 @@ class RegenerateConfig:
     """Regenerate the answers; capture then reads regen/ instead of data/."""
     server_url: Optional[str] = None
     """OpenAI-compatible base URL (`vllm serve`, SGLang), e.g. http://127.0.0.1:8000/v1.
-    Unset: the target's own batched `generate` on target.device."""
+    Unset: the target decodes locally on target.device (`fast` picks the path)."""
     server_model: Optional[str] = None
     """Model name sent to the server; unset: the first id of GET {server_url}/models."""
     max_new_tokens: int = 1024
@@ -83,7 +83,12 @@ class RegenerateConfig:
     temperature: float = 0.0
     """0: greedy."""
     batch_size: int = 16
-    """Conversations per local `generate` batch."""
+    """Conversations per local decoding batch (every batch is padded to this size, so the fast
+    path keeps one KV cache and one set of CUDA graphs)."""
+    fast: Literal["auto", "off", "static", "graphs", "compile"] = "auto"
+    """Local decoding path: off = transformers `generate` (dynamic KV cache); static, graphs,
+    compile = the plain decoding that evaluate measures (static KV cache, CUDA graphs, the
+    token fed back on the device; see evaluate.fast). auto = graphs on a GPU, off on a CPU."""
     concurrency: int = 16
     """Requests in flight to the server."""
     timeout_s: float = 600.0

@@ -28,7 +28,7 @@ from .artifacts import (DraftsmithError, atomic_write_bytes, atomic_write_json, 
 from .config import Recipe
 from .speculate.eagle3 import Eagle3Proposer
 from .speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
-from .speculate.fast import FastDraft, FastTarget, resolve_mode
+from .speculate.fast import FastDraft, FastTarget, choose_mode
 from .speculate.ngram import NgramProposer
 
 PARTIAL = "partial.jsonl"
@@ -127,14 +127,7 @@ class Paths:
 
     def __init__(self, target=None, drafter=None, mode: str = "off"):
         self.target_model, self.drafter, self.requested = target, drafter, mode
-        self.mode = resolve_mode(mode, target.device) if target is not None else "off"
-        n_devices = len({p.device for p in target.model.parameters()}) if target is not None else 1
-        if self.mode in ("graphs", "compile") and n_devices > 1:
-            if mode != "auto":
-                raise DraftsmithError(f"evaluate.fast {mode!r}: the target is spread over {n_devices} "
-                                      "devices (target.device_map) and CUDA graphs need one; use fast: static or off")
-            log("[evaluate] fast path: the target spans several GPUs; static caches without CUDA graphs")
-            self.mode = "static"
+        self.mode = choose_mode(mode, target) if target is not None else "off"
         self._by_batch: dict[int, tuple] = {}
 
     def get(self, batch: int) -> tuple[Optional[FastTarget], Optional[FastDraft]]:

@@ -61,9 +61,12 @@ def prompt_ids(tok, messages: Sequence[dict]) -> list[int]:
 
 
 class LocalGenerator:
-    """Batched `generate` of the target, left-padded; greedy at temperature 0."""
+    """The target decodes left-padded batches, greedy at temperature 0: on the fast path
+    (regenerate.fast; FastTarget.plain, what evaluate times as plain decoding) or through
+    transformers' `generate`."""
 
     def __init__(self, recipe: Recipe):
+        from ..speculate.fast import FastTarget, choose_mode
         from ..target.model import load_target
 
         t = recipe.target
@@ -75,6 +78,16 @@ class LocalGenerator:
         eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos = {int(e) for e in eos + [self.tok.eos_token_id] if e is not None}
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
+        self.fast, mode = None, choose_mode(self.cfg.fast, self.target, "regenerate.fast")
+        if mode != "off":
+            try:  # sized for every prompt that fits prepare.max_length: one cache, graphs captured once
+                self.fast = FastTarget(self.target, mode, self.cfg.batch_size,
+                                       recipe.prepare.max_length + self.cfg.max_new_tokens)
+            except DraftsmithError as e:
+                if self.cfg.fast != "auto":
+                    raise
+                log(f"[regenerate] fast path unavailable ({e}); transformers generate")
+        self.path = mode if self.fast is not None else "generate"
 
     def __call__(self, conversations: Sequence[list[dict]]) -> list[Answer]:
         out = []
@@ -85,6 +98,10 @@ class LocalGenerator:
     @torch.inference_mode()
     def _batch(self, conversations: Sequence[list[dict]]) -> list[Answer]:
         enc = [prompt_ids(self.tok, c) for c in conversations]
+        if self.fast is not None:  # padded with copies to the fixed batch size (a new size would mean new graphs)
+            rows = enc + [enc[-1]] * (self.cfg.batch_size - len(enc))
+            gen = self.fast.plain(rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature)[:len(enc)]
+            return self._answers(gen)
         L = max(len(e) for e in enc)
         ids = torch.full((len(enc), L), self.pad, dtype=torch.long)
         mask = torch.zeros((len(enc), L), dtype=torch.long)
@@ -96,6 +113,9 @@ class LocalGenerator:
         gen = self.target.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                                          max_new_tokens=self.cfg.max_new_tokens, eos_token_id=sorted(self.eos),
                                          pad_token_id=self.pad, **kw)[:, L:].cpu().tolist()
+        return self._answers(gen)
+
+    def _answers(self, gen: list[list[int]]) -> list[Answer]:
         answers = []
         for row in gen:
             end = next((j for j, t in enumerate(row) if t in self.eos), None)
@@ -230,8 +250,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
+    if not cfg.server_url:
+        m["decoding_path"] = generate.path  # generate, or the fast path's mode (static, graphs, compile)
+    via = cfg.server_url or f"local decoding ({generate.path})"
     fits = lambda messages: len(prompt_ids(tok, messages)) < pcfg.max_length  # noqa: E731
-    log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {m['backend']}; "
+    log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {via}; "
         f"{done_chunks} chunk(s) done before")
     counts = m["counts"]
     stats = ReadStats()

@@ -30,15 +30,30 @@ from ..target.model import Target, TargetOutput
 MODES = ("off", "static", "graphs", "compile")
 
 
-def resolve_mode(mode: str, device: torch.device) -> str:
-    """auto -> graphs on CUDA, off elsewhere; graphs/compile on a CPU is a config error."""
+def resolve_mode(mode: str, device: torch.device, key: str = "evaluate.fast") -> str:
+    """auto -> graphs on CUDA, off elsewhere; graphs/compile on a CPU is a config error. `key`
+    names the recipe field in messages."""
     if mode == "auto":
         return "graphs" if device.type == "cuda" else "off"
     if mode not in MODES:
-        raise DraftsmithError(f"evaluate.fast {mode!r}: unknown; use one of auto, {', '.join(MODES)}")
+        raise DraftsmithError(f"{key} {mode!r}: unknown; use one of auto, {', '.join(MODES)}")
     if mode in ("graphs", "compile") and device.type != "cuda":
-        raise DraftsmithError(f"evaluate.fast {mode!r} needs a CUDA device (the target is on {device}); "
-                              "use fast: static or auto on a CPU")
+        raise DraftsmithError(f"{key} {mode!r} needs a CUDA device (the target is on {device}); "
+                              f"use {key}: static or auto on a CPU")
+    return mode
+
+
+def choose_mode(requested: str, target: Target, key: str = "evaluate.fast") -> str:
+    """resolve_mode for this target: CUDA graphs need the target on one device, so `auto` on a
+    target spread over several GPUs (target.device_map) becomes static; an explicit graphs/compile errs."""
+    mode = resolve_mode(requested, target.device, key)
+    n_devices = len({p.device for p in target.model.parameters()})
+    if mode in ("graphs", "compile") and n_devices > 1:
+        if requested != "auto":
+            raise DraftsmithError(f"{key} {requested!r}: the target is spread over {n_devices} devices "
+                                  f"(target.device_map) and CUDA graphs need one; use {key}: static or off")
+        log(f"[{key.split('.')[0]}] fast path: the target spans several GPUs; static caches without CUDA graphs")
+        mode = "static"
     return mode
 
 
