@@ -7,12 +7,14 @@ capture_over_forward = capture tokens/s / plain forward tokens/s, on the same ta
 dtype. Capture = what the capture stage does per batch (decoder forward with the aux-layer hooks,
 copy to host in the storage dtype, fp8 encode for fp8); plain forward = the decoder forward alone
 (no hooks, no lm_head, nothing copied). Goal: >= 0.90. bytes_per_token_* are measured from shards
-actually written (file size / tokens), not computed.
+actually written (file size / tokens), not computed. The forward and the two captures are timed
+interleaved, --repeats times; the figures are medians, *_range the lowest and highest ratio.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.artifacts import atomic_write_text
 from draftsmith.data.shards import Sample, write_shard
 from draftsmith.target.capture import capture_samples
 from draftsmith.target.model import load_target
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny random llama on CPU")
     ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per measurement")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved forward / capture measurements; medians reported")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device-map", default=None, help="e.g. auto: spread the target over the visible GPUs")
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         from draftsmith.testing import make_model_dir
 
         path = make_model_dir(Path(tmp.name) / "tiny", num_layers=4, hidden_size=64)
-        args.batch, args.seq_len, args.iters, args.device, args.dtype = 2, 64, 3, "cpu", "float32"
+        args.batch, args.seq_len, args.iters, args.repeats, args.device, args.dtype = 2, 64, 3, 3, "cpu", "float32"
     elif args.target:
         path = Path(args.target)
     else:
@@ -82,30 +86,37 @@ def main(argv: list[str] | None = None) -> int:
             for layer, h in zip(target.layers, saved):
                 layer._forward_hooks.update(h)
 
-    results = {}
-    t_plain = _time(plain, dev, args.iters)
-    for storage in ("bfloat16", "float8_e4m3"):
+    def capture_fn(storage: str):
         def capture():
-            good, _ = capture_samples(target, samples, batch_tokens, storage)
-            return good
-        t_cap = _time(capture, dev, args.iters)
-        good = capture()
-        entry = write_shard(Path(tmp.name) / f"{storage}.safetensors", good, storage_dtype=storage)
-        size = (Path(tmp.name) / f"{storage}.safetensors").stat().st_size
-        results[storage] = {"seconds_per_batch": t_cap, "bytes_per_token": size / entry["num_tokens"]}
+            return capture_samples(target, samples, batch_tokens, storage)[0]
+        return capture
+
+    storages = ("bfloat16", "float8_e4m3")
+    # Interleaved repeats: forward, bf16 capture, fp8 capture, again; each ratio compares timings
+    # taken side by side, and the spread over repeats shows how steady the machine was.
+    reps = [{"forward": _time(plain, dev, args.iters), **{s: _time(capture_fn(s), dev, args.iters) for s in storages}}
+            for _ in range(args.repeats)]
+    med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    ratios = {s: [r["forward"] / r[s] for r in reps] for s in storages}
+    bytes_per_token = {}
+    for storage in storages:
+        entry = write_shard(Path(tmp.name) / f"{storage}.safetensors", capture_fn(storage)(), storage_dtype=storage)
+        bytes_per_token[storage] = (Path(tmp.name) / f"{storage}.safetensors").stat().st_size / entry["num_tokens"]
     tokens = args.batch * args.seq_len
     out = {
-        "capture_over_forward": round(t_plain / results["bfloat16"]["seconds_per_batch"], 4),
-        "capture_over_forward_fp8": round(t_plain / results["float8_e4m3"]["seconds_per_batch"], 4),
-        "bytes_per_token_bf16": round(results["bfloat16"]["bytes_per_token"], 2),
-        "bytes_per_token_fp8": round(results["float8_e4m3"]["bytes_per_token"], 2),
-        "forward_tokens_per_s": round(tokens / t_plain, 1),
-        "capture_tokens_per_s_bf16": round(tokens / results["bfloat16"]["seconds_per_batch"], 1),
-        "capture_tokens_per_s_fp8": round(tokens / results["float8_e4m3"]["seconds_per_batch"], 1),
+        "capture_over_forward": round(statistics.median(ratios["bfloat16"]), 4),
+        "capture_over_forward_fp8": round(statistics.median(ratios["float8_e4m3"]), 4),
+        "capture_over_forward_range": [round(min(ratios["bfloat16"]), 4), round(max(ratios["bfloat16"]), 4)],
+        "capture_over_forward_fp8_range": [round(min(ratios["float8_e4m3"]), 4), round(max(ratios["float8_e4m3"]), 4)],
+        "bytes_per_token_bf16": round(bytes_per_token["bfloat16"], 2),
+        "bytes_per_token_fp8": round(bytes_per_token["float8_e4m3"], 2),
+        "forward_tokens_per_s": round(tokens / med["forward"], 1),
+        "capture_tokens_per_s_bf16": round(tokens / med["bfloat16"], 1),
+        "capture_tokens_per_s_fp8": round(tokens / med["float8_e4m3"], 1),
         "target": str(path) if not args.smoke else "tiny-random-llama (smoke)",
         "architecture": type(target.model).__name__, "hidden_size": target.hidden_size,
         "num_layers": target.num_layers, "aux_layer_ids": target.aux_layer_ids,
-        "batch": args.batch, "seq_len": args.seq_len, "iters": args.iters,
+        "batch": args.batch, "seq_len": args.seq_len, "iters": args.iters, "repeats": args.repeats,
         "device": str(dev), "dtype": str(target.dtype).replace("torch.", ""),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
@@ -114,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        atomic_write_text(Path(args.out), text + "\n")
     tmp.cleanup()
     return 0
 

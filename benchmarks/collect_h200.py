@@ -86,6 +86,7 @@ def collect(d: Path) -> dict:
         out.update({k: cap[k] for k in ("capture_over_forward", "capture_over_forward_fp8", "bytes_per_token_bf16",
                                         "bytes_per_token_fp8", "forward_tokens_per_s", "capture_tokens_per_s_bf16",
                                         "capture_tokens_per_s_fp8")})
+        out.update({k: cap[k] for k in ("capture_over_forward_range", "capture_over_forward_fp8_range") if k in cap})
     ref = load("reference_training.json")
     out["reference_target"] = {k: ref[k] for k in ("params", "steps", "train_tokens_seen", "train_seconds", "val_loss", "val_ppl")}
     rows = [json.loads(line) for line in path("train_metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -197,3 +197,18 @@ def test_nonfinite_states_reject_only_their_sample_and_padding_is_ignored(tmp_pa
     assert rejected == 1 and [s.sample_index for s in good] == [0, 1]
     assert [s.aux_hidden.shape[0] for s in good] == [12, 5]
     assert all(torch.isfinite(s.aux_hidden).all() for s in good)
+
+
+def test_bench_capture_smoke(tmp_path):
+    """benchmarks/bench_capture.py --smoke: interleaved repeats give a median ratio inside its own
+    range, and fp8 shards take fewer bytes per token than bf16 ones (measured from written files)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "capture.json"
+    subprocess.run([sys.executable, str(root / "benchmarks/bench_capture.py"), "--smoke", "--out", str(out)],
+                   env=ENV, check=True, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["repeats"] == 3
+    for key in ("capture_over_forward", "capture_over_forward_fp8"):
+        lo, hi = r[key + "_range"]
+        assert 0 < lo <= r[key] <= hi
+    assert r["bytes_per_token_fp8"] < r["bytes_per_token_bf16"]
