@@ -88,7 +88,9 @@ class RegenerateConfig:
     fast: Literal["auto", "off", "static", "graphs", "compile"] = "auto"
     """Local decoding path: off = transformers `generate` (dynamic KV cache); static, graphs,
     compile = the plain decoding that evaluate measures (static KV cache, CUDA graphs, the
-    token fed back on the device; see evaluate.fast). auto = graphs on a GPU, off on a CPU."""
+    token fed back on the device; see evaluate.fast). auto = graphs on a GPU, off on a CPU. At
+    temperature > 0 the fast path samples the full softmax; `generate` also applies the target's
+    generation_config (top_k, top_p)."""
     concurrency: int = 16
     """Requests in flight to the server."""
     timeout_s: float = 600.0
