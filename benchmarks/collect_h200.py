@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from draftsmith.artifacts import atomic_write_text
+
 
 def overall(results: dict, method: str) -> dict:
     return results["summary"]["methods"][method]["overall"]
@@ -129,9 +131,7 @@ def main() -> int:
     if a.update:
         data = json.loads(a.update.read_text()) if a.update.exists() else {}
         data.update(figures)
-        tmp = a.update.with_name(a.update.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(a.update)  # atomic: a kill leaves the old file or the new one
+        atomic_write_text(a.update, json.dumps(data, indent=1) + "\n")  # a kill leaves the old file or the new one
     print(json.dumps(figures, indent=1))
     return 0
 

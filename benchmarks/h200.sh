@@ -14,8 +14,9 @@
 # chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
 # conversations' answers, its own run dir) -> humaneval -> ksweep (chain k = 3, 7) -> profile (where a
 # round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
-# -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone) -> gputests (pytest -m gpu). Also: random (random
-# weights, speed only), speculative (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
+# -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone)
+# -> gputests (pytest -m gpu). Also: random (random weights, speed only), speculative
+# (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
 # trains the same target (the time limit only caps it). Without it the time cut varies the steps (264/266/271);

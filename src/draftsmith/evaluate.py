@@ -28,7 +28,7 @@ from .artifacts import (DraftsmithError, atomic_write_bytes, atomic_write_json, 
 from .config import Recipe
 from .speculate.eagle3 import Eagle3Proposer
 from .speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
-from .speculate.fast import FastDraft, FastTarget, choose_mode
+from .speculate.fast import FastDraft, FastTarget, choose_mode, fast_target_or_none
 from .speculate.ngram import NgramProposer
 
 PARTIAL = "partial.jsonl"
@@ -134,12 +134,9 @@ class Paths:
         if self.mode == "off":
             return None, None
         if batch not in self._by_batch:
-            try:
-                ft = FastTarget(self.target_model, self.mode, batch_size=batch)
-            except DraftsmithError as e:
-                if self.requested != "auto":
-                    raise
-                log(f"[evaluate] fast path unavailable ({e}); eager decoding for plain and every method")
+            ft = fast_target_or_none(self.target_model, self.mode, self.requested, "evaluate.fast",
+                                     "eager decoding for plain and every method", batch_size=batch)
+            if ft is None:
                 self.mode = "off"
                 return None, None
             self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs))

@@ -66,7 +66,7 @@ class LocalGenerator:
     transformers' `generate`."""
 
     def __init__(self, recipe: Recipe):
-        from ..speculate.fast import FastTarget, choose_mode
+        from ..speculate.fast import choose_mode, fast_target_or_none
         from ..target.model import load_target
 
         t = recipe.target
@@ -78,15 +78,11 @@ class LocalGenerator:
         eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         self.eos = {int(e) for e in eos + [self.tok.eos_token_id] if e is not None}
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
-        self.fast, mode = None, choose_mode(self.cfg.fast, self.target, "regenerate.fast")
-        if mode != "off":
-            try:  # sized for every prompt that fits prepare.max_length: one cache, graphs captured once
-                self.fast = FastTarget(self.target, mode, self.cfg.batch_size,
-                                       recipe.prepare.max_length + self.cfg.max_new_tokens)
-            except DraftsmithError as e:
-                if self.cfg.fast != "auto":
-                    raise
-                log(f"[regenerate] fast path unavailable ({e}); transformers generate")
+        mode = choose_mode(self.cfg.fast, self.target, "regenerate.fast")
+        # sized for every prompt that fits prepare.max_length: one cache, graphs captured once
+        self.fast = None if mode == "off" else fast_target_or_none(
+            self.target, mode, self.cfg.fast, "regenerate.fast", "transformers generate",
+            batch_size=self.cfg.batch_size, max_len=recipe.prepare.max_length + self.cfg.max_new_tokens)
         self.path = mode if self.fast is not None else "generate"
 
     def __call__(self, conversations: Sequence[list[dict]]) -> list[Answer]:

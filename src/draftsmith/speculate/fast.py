@@ -57,6 +57,19 @@ def choose_mode(requested: str, target: Target, key: str = "evaluate.fast") -> s
     return mode
 
 
+def fast_target_or_none(target: Target, mode: str, requested: str, key: str, fallback: str,
+                        **kw) -> Optional["FastTarget"]:
+    """FastTarget(target, mode, **kw); where the target cannot run it (e.g. sliding-window layers)
+    an explicit `requested` mode errs and `auto` gets None, logged with `fallback` (what runs instead)."""
+    try:
+        return FastTarget(target, mode, **kw)
+    except DraftsmithError as e:
+        if requested != "auto":
+            raise
+        log(f"[{key.split('.')[0]}] fast path unavailable ({e}); {fallback}")
+        return None
+
+
 def h2d(x: Any, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """A host value (tensor, list or number) on `device` without a stream sync: a blocking
     host-to-device copy waits for every kernel queued before it, so the host could never run
