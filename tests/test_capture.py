@@ -160,6 +160,30 @@ def test_kill9_resume_byte_identical(prepared, reference, tmp_path):
     assert not list((tmp_path / "capture").glob(".*"))  # no temp or rank files left
 
 
+def test_kill_while_finishing_leaves_a_tidy_resumable_folder(prepared, reference, tmp_path, monkeypatch):
+    """The window CI once hit at random: killed after the last shard, before the manifest says complete."""
+    from draftsmith.target import capture
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*a, **k):
+        raise Killed
+
+    args = _copy_prepared(prepared, tmp_path)
+    monkeypatch.setattr(capture, "finish_manifest", killed)
+    with pytest.raises(Killed):
+        run_stage("capture", parse_recipe(args)[0])
+    m = load_manifest(tmp_path / "capture")
+    assert m["status"] == "running" and m["shards"] == load_manifest(reference / "capture")["shards"]
+    assert not list((tmp_path / "capture").glob(".*"))
+    monkeypatch.undo()
+    assert main(["capture", *args]) == 0
+    assert load_manifest(tmp_path / "capture")["status"] == "complete"
+    assert _shards(tmp_path) == _shards(reference)
+    assert not list((tmp_path / "capture").glob(".*"))
+
+
 def test_data_parallel_two_ranks(prepared, reference, tmp_path):
     args = _copy_prepared(prepared, tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

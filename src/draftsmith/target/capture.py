@@ -229,8 +229,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             raise DraftsmithError(f"{out_dir}: the target gave NaN/inf hidden states for every sample ({counts['rejected_nonfinite']} "
                                   "rejected); check target.dtype (float16 overflows: use bfloat16 or float32) and the target's weights")
         log(f"[capture] {counts['samples']} samples, {counts['tokens']:,} tokens, {bpt:,} bytes/token ({cfg.storage_dtype})")
-        m = finish_manifest(out_dir, m)
+        # The merged list goes into the manifest before the rank files go, and they go before the
+        # manifest says complete: a kill between any two steps leaves a resumable, tidy folder.
+        write_manifest(out_dir, m)
         for p in out_dir.glob(".rank-*.json"):
             p.unlink()
+        m = finish_manifest(out_dir, m)
     ranks.barrier()
     return load_manifest(out_dir)
