@@ -15,7 +15,8 @@
 # conversations' answers, its own run dir) -> humaneval -> ksweep (chain k = 3, 7) -> profile (where a
 # round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
 # -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone)
-# -> gputests (pytest -m gpu). Also: random (random weights, speed only), speculative
+# -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
+# -> residenttests (test_resident.py and test_fast.py, graphs included). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
@@ -67,6 +68,10 @@ for s in $STEPS; do case $s in
              python3 -m draftsmith.cli status /tmp/runs/h200-regen --json > "$OUT/regen_status.json" 2>&1 ;;
   profile)   step profile "${PROFILE_LIMIT:-90}" python3 benchmarks/profile_rounds.py benchmarks/recipes/h200.yaml \
                --out "$OUT/profile_rounds.json" ;;
+  resident)  step resident "${RESIDENT_LIMIT:-200}" python3 benchmarks/bench_resident.py benchmarks/recipes/h200.yaml \
+               ${RESIDENT_ARGS:-} --out "$OUT/bench_resident.json" ;;
+  residenttests) step residenttests "${RT_LIMIT:-240}" python3 -m pytest -q tests/test_resident.py tests/test_fast.py \
+               -p no:cacheprovider ;;
   gputests)  step gputests "${GPUTESTS_LIMIT:-90}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
   fasttests) step fasttests "${FASTTESTS_LIMIT:-240}" python3 -m pytest -q tests/test_fast.py -p no:cacheprovider -k "${FASTTESTS_K:-}" ;;
   fast)      step fast "${FAST_LIMIT:-330}" python3 benchmarks/bench_fast.py --moe_target /tmp/ref --out "$OUT/bench_fast.json" ;;

@@ -197,7 +197,7 @@ def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_
     prop = make_proposer(method, drafter, cfg, len(prompts), generator, paths)
     (new, stats), s = _timed(target, lambda: generate(target, prop, prompts, max_new_tokens or cfg.max_new_tokens,
                                                       method_depth(cfg, method), eos_ids, cfg.temperature, generator,
-                                                      fast=paths.get(len(prompts))[0]))
+                                                      fast=paths.get(len(prompts))[0], resident=cfg.resident))
     return new, stats, s
 
 
@@ -642,7 +642,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     target, drafter = load_models(recipe, drafter_dir)
     paths = Paths(target, drafter, cfg.fast)
-    log(f"[evaluate] decoding path: {paths.mode} (plain decoding and every method alike)")
+    rounds = ("; greedy EAGLE-3 rounds on the device" if cfg.resident and cfg.temperature <= 0 and paths.mode != "off"
+              else "")
+    log(f"[evaluate] decoding path: {paths.mode} (plain decoding and every method alike{rounds})")
     eos = eos_token_ids(target)
     todo = []  # (key, bench, prompt, turn index)
     for bench in cfg.benchmarks:

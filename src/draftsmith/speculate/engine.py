@@ -403,12 +403,18 @@ def _rows(out: TargetOutput, b: int, rows: torch.Tensor) -> TargetOutput:
 def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[list[int]], max_new_tokens: int,
              depth: int = 5, eos_ids: Sequence[int] = (), temperature: float = 0.0,
              generator: Optional[torch.Generator] = None,
-             fast: Optional[FastTarget] = None) -> tuple[list[list[int]], list[SpecStats]]:
+             fast: Optional[FastTarget] = None, resident: bool = True) -> tuple[list[list[int]], list[SpecStats]]:
     """Speculative decoding of a batch. Trees deeper than `depth` are cut. Greedy output equals
     plain greedy decoding; sampled output has the target's distribution. Returns per sequence
     the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide).
     `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
-    ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`)."""
+    ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`).
+    Greedy EAGLE-3 on the fast path runs its rounds on the device (resident.py) unless
+    `resident` is False; this host loop runs everything else."""
+    from .resident import eligible, resident_generate
+
+    if resident and eligible(fast, proposer, temperature):
+        return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast)
     B, dev = len(prompts), target.device
     runner = fast if fast is not None else EagerVerifier(target)
     n_rows = 1 + (getattr(proposer, "max_nodes", depth) if proposer is not None else 0)

@@ -437,6 +437,7 @@ class FastDraft:
         self.cache: Optional[StaticDraftCache] = None
         self.step = Graphed(self._step, graphs, max_rows)
         self.expansions: dict[tuple, Graphed] = {}
+        self.resident: dict[tuple, Any] = {}  # resident.Resident per (batch, shape), holding its round's graph
 
     def reset(self, batch_size: int, needed: int) -> StaticDraftCache:
         """An empty cache for a new generation (the old buffers when they are big enough)."""

@@ -1,0 +1,104 @@
+"""Resident rounds against the host loop, in one process: the same target, drafter, prompts and
+decoding path; per batch size and method, tau, speedup over plain decoding and ms per round of
+both loops. Each batch of prompts runs plain, then every (method, loop) pair, so drift hits all
+alike; outputs are compared with plain decoding (greedy).
+
+    python benchmarks/bench_resident.py RECIPE.yaml --out bench_resident.json       # the GPU figures
+    python benchmarks/bench_resident.py recipes/quickstart.yaml --num_prompts 2 --max_new_tokens 24 \
+        --batch_sizes 1 2 --fast static                                            # CPU check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from draftsmith import evaluate as ev  # noqa: E402
+from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.cli import parse_recipe  # noqa: E402
+from draftsmith.data.readers import load_prompts  # noqa: E402
+
+LOOPS = {"host": False, "resident": True}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--num_prompts", type=int, default=16)
+    ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--methods", nargs="+", default=["eagle3_chain", "eagle3_tree"])
+    ap.add_argument("--fast", default=None, help="override evaluate.fast")
+    a = ap.parse_args(argv)
+    recipe, _ = parse_recipe([a.recipe])
+    cfg = replace(recipe.evaluate, max_new_tokens=a.max_new_tokens, temperature=0.0)
+    if a.fast:
+        cfg = replace(cfg, fast=a.fast)
+    target, drafter = ev.load_models(recipe, Path(recipe.run_dir) / "train" / "drafter")
+    paths = ev.Paths(target, drafter, cfg.fast)
+    eos = ev.eos_token_ids(target)
+    bench = cfg.benchmarks[0]
+    prompts = [ev.render_prompt(target.tokenizer, p.turns[0], f"{bench}: {p.id}") for p in load_prompts(bench, a.num_prompts)]
+    print(f"[bench_resident] path {paths.mode}, {len(prompts)} prompts of {bench}, {a.max_new_tokens} new tokens", flush=True)
+    t0 = time.perf_counter()
+    cfgs = {name: replace(cfg, resident=flag) for name, flag in LOOPS.items()}
+    for B in a.batch_sizes:  # warm-up: graphs captured for every shape, both loops
+        for c in cfgs.values():
+            ev.evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, replace(c, max_new_tokens=16), a.methods, eos, 0,
+                              paths=paths)
+    result = {"recipe": a.recipe, "path": paths.mode, "max_new_tokens": a.max_new_tokens, "num_prompts": len(prompts),
+              "device": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "batches": {}}
+    for B in a.batch_sizes:
+        acc = {"plain_s": 0.0, "plain_tokens": 0}
+        per = {(m, n): {"spec_s": 0.0, "rounds": 0, "emitted": 0, "identical": 0, "sequences": 0}
+               for m in a.methods for n in LOOPS}
+        for j in range(0, len(prompts) - B + 1, B):
+            chunk = prompts[j:j + B]
+            plain, plain_s = ev.run_plain(target, chunk, cfg, eos, None, paths)
+            acc["plain_s"] += plain_s
+            acc["plain_tokens"] += sum(map(len, plain))
+            for m in a.methods:
+                for n, c in cfgs.items():
+                    new, stats, s = ev.run_method(target, drafter, m, chunk, c, eos, paths=paths)
+                    r = per[(m, n)]
+                    r["spec_s"] += s
+                    r["rounds"] += max(st.rounds for st in stats)  # batch rounds: the longest sequence's
+                    r["emitted"] += sum(sum(st.emitted_per_round) for st in stats)
+                    r["identical"] += sum(x == y for x, y in zip(new, plain))
+                    r["sequences"] += len(new)
+        row = {"plain_tokens_per_s": round(acc["plain_tokens"] / acc["plain_s"], 1), "methods": {}}
+        if B == 1:
+            row["plain_roofline"] = ev.decode_roofline(target, row["plain_tokens_per_s"])
+        for (m, n), r in per.items():
+            seq_rounds = r["rounds"]
+            row["methods"].setdefault(m, {})[n] = {
+                "tau": round(r["emitted"] / max(seq_rounds * B, 1), 3) if B == 1 else None,
+                "speedup": round(acc["plain_s"] / r["spec_s"], 3),
+                "ms_per_round": round(1000 * r["spec_s"] / max(seq_rounds, 1), 3),
+                "identical": f"{r['identical']}/{r['sequences']}"}
+            if B == 1:
+                x = row["methods"][m][n]
+                x["speedup_over_tau"] = round(x["speedup"] / x["tau"], 3)
+        result["batches"][str(B)] = row
+        print(f"[bench_resident] batch {B}: plain {row['plain_tokens_per_s']} tok/s; " + "; ".join(
+            f"{m} {n} x{v['speedup']} ({v['ms_per_round']} ms/round, {v['identical']} identical)"
+            for m, d in row["methods"].items() for n, v in d.items()), flush=True)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if a.out:
+        atomic_write_json(a.out, result)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
