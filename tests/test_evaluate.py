@@ -135,6 +135,31 @@ def test_evaluate_on_static_caches(recipe):
     assert "static KV cache, no CUDA graphs" in report and "of the memory-bandwidth limit" in report
 
 
+def test_evaluate_resident_rounds_measure_the_same_acceptance(recipe, tmp_path, capsys):
+    """evaluate.resident: the stage on device-resident rounds gives the host loop's outputs and
+    per-round statistics (its tau and acceptance per position), prompts and batches alike."""
+    import shutil
+    from dataclasses import replace
+
+    recipe.evaluate.fast, recipe.evaluate.step_costs = "static", False
+    runs = {}
+    for resident in (False, True):
+        r = replace(recipe, run_dir=str(tmp_path / f"run-{resident}"), evaluate=replace(recipe.evaluate, resident=resident))
+        shutil.copytree(recipe.run_dir, r.run_dir)
+        pipeline.run_stage("evaluate", r)
+        runs[resident] = read_json(r.run_dir + "/eval/results.json")
+    assert "greedy EAGLE-3 rounds on the device" in capsys.readouterr().err
+    keys = ("rounds", "emitted", "accepted_per_round", "drafted_per_round", "drafted", "reached", "accepted",
+            "new_tokens", "lossless")
+    for a, b in zip(runs[False]["prompts"], runs[True]["prompts"]):
+        for m in ("eagle3_chain", "eagle3_tree"):
+            assert {k: a["methods"][m][k] for k in keys} == {k: b["methods"][m][k] for k in keys}
+            assert b["methods"][m]["lossless"] and b["methods"][m]["target_s"] is None  # one graph: not split
+    for a, b in zip(runs[False]["batches"], runs[True]["batches"]):
+        assert {m: (x["identical"], x["emitted"], x["rounds"]) for m, x in a["methods"].items()} == \
+            {m: (x["identical"], x["emitted"], x["rounds"]) for m, x in b["methods"].items()}
+
+
 def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):
     recipe.evaluate.fast = "graphs"
     with pytest.raises(DraftsmithError, match="evaluate.fast 'graphs' needs a CUDA device"):

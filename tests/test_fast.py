@@ -198,7 +198,7 @@ def test_graphed_round_waits_for_the_gpu_only_to_read_results(target, plains, me
     fd = FastDraft(drafter, graphs=True)
     topk, budget = (1, 4) if method == "chain" else (3, 8)
     run = lambda: generate(target, Eagle3Proposer(drafter, topk=topk, budget=budget, fast=fd),  # noqa: E731
-                           [PROMPTS[0]], 24, depth=4, fast=ft, resident=False)  # the host loop (test_resident: the other)
+                           [PROMPTS[0]], 24, depth=4, fast=ft)  # the host loop (test_resident: the resident rounds)
     assert run()[0] == [plains[0]]  # warm-up: captures every graph
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

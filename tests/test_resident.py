@@ -120,7 +120,7 @@ def test_resident_with_a_real_drafter_equals_plain(target, plains, mode):
             a = generate(target, Eagle3Proposer(drafter, topk=topk, budget=budget, fast=fd), prompts, 24, depth=4,
                          fast=ft, resident=False)
             b = generate(target, Eagle3Proposer(drafter, topk=topk, budget=budget, fast=fd), prompts, 24, depth=4,
-                         fast=ft)
+                         fast=ft, resident=True)
             assert a[0] == b[0] == [plains[i] for i in batch]
             assert [_times_off(s) for s in a[1]] == [_times_off(s) for s in b[1]]
 
@@ -134,7 +134,7 @@ def test_resident_round_syncs_once(target, plains):
     drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
     fd = FastDraft(drafter, graphs=True)
     run = lambda: generate(target, Eagle3Proposer(drafter, topk=3, budget=8, fast=fd),  # noqa: E731
-                           [PROMPTS[0]], 24, depth=4, fast=ft)
+                           [PROMPTS[0]], 24, depth=4, fast=ft, resident=True)
     assert run()[0] == [plains[0]]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

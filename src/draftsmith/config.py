@@ -222,11 +222,12 @@ class EvaluateConfig:
     transformers with its dynamic KV cache; static = static KV caches; graphs = static caches and
     CUDA graphs; compile = graphs around a torch.compile'd target forward. auto = graphs on a GPU,
     off on a CPU."""
-    resident: bool = True
-    """Greedy EAGLE-3 on a fast path (static/graphs/compile) runs each round on the device: drafting,
-    tree selection, verification, acceptance and the cache updates as tensor ops (one CUDA graph
-    per round under graphs), the host reading one flag per round. false = the host loop, which
-    reads drafts and the target's argmax back every round (same outputs; for comparison)."""
+    resident: bool = False
+    """true: greedy EAGLE-3 on a fast path (static/graphs/compile) runs each round on the device:
+    drafting, tree selection, verification, acceptance and the cache updates as tensor ops (one
+    CUDA graph per round under graphs), the host reading one flag per round. false: the host loop,
+    which reads drafts and the target's argmax back every round. Same outputs (tests); off by
+    default until its GPU speed is measured (benchmarks/bench_resident.py; docs/fast-paths.md)."""
 
 
 @dataclass

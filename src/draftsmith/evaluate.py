@@ -427,6 +427,12 @@ def _ratio(a: float, b: float) -> Optional[float]:
     return a / b if b else None
 
 
+def _sum_or_none(xs) -> Optional[float]:
+    """The sum, or None when a value is None (resident rounds do not split target and drafter time)."""
+    xs = list(xs)
+    return None if any(x is None for x in xs) else sum(xs)
+
+
 def summarize_method(records: list[dict], method: str, k: int) -> dict:
     rows = [(r, r["methods"][method]) for r in records if method in r["methods"]]
 
@@ -437,7 +443,7 @@ def summarize_method(records: list[dict], method: str, k: int) -> dict:
                 "tau": _ratio(sum(m["emitted"] for _, m in rs), sum(m["rounds"] for _, m in rs)),
                 "tokens_per_s_spec": _ratio(new, spec_s), "tokens_per_s_plain": _ratio(plain_new, plain_s),
                 "speedup": _ratio(plain_s, spec_s), "spec_s": spec_s, "plain_s": plain_s,
-                "target_s": sum(m["target_s"] for _, m in rs), "draft_s": sum(m["draft_s"] for _, m in rs)}
+                **{k: _sum_or_none(m[k] for _, m in rs) for k in ("target_s", "draft_s")}}
 
     per_pos = {name: [sum(m[name][j] for _, m in rows) for j in range(k)] for name in ("drafted", "reached", "accepted")}
     hist = [0] * (k + 1)  # over rounds that drafted (the last round of a prompt may not)

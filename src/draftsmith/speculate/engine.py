@@ -50,8 +50,8 @@ class SpecStats:
     drafted: list[int] = field(default_factory=list)   # [k] rounds whose drafts reached depth j+1
     reached: list[int] = field(default_factory=list)   # [k] ... and depths 1..j were all accepted
     accepted: list[int] = field(default_factory=list)  # [k] ... and depth j+1 was accepted too
-    target_s: float = 0.0                 # batch-wide times (shared by every sequence of a batch)
-    draft_s: float = 0.0
+    target_s: Optional[float] = 0.0       # batch-wide times (shared by every sequence of a batch);
+    draft_s: Optional[float] = 0.0        # None on resident rounds (one graph does both)
     wall_s: float = 0.0
 
     @property
@@ -403,14 +403,14 @@ def _rows(out: TargetOutput, b: int, rows: torch.Tensor) -> TargetOutput:
 def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[list[int]], max_new_tokens: int,
              depth: int = 5, eos_ids: Sequence[int] = (), temperature: float = 0.0,
              generator: Optional[torch.Generator] = None,
-             fast: Optional[FastTarget] = None, resident: bool = True) -> tuple[list[list[int]], list[SpecStats]]:
+             fast: Optional[FastTarget] = None, resident: bool = False) -> tuple[list[list[int]], list[SpecStats]]:
     """Speculative decoding of a batch. Trees deeper than `depth` are cut. Greedy output equals
     plain greedy decoding; sampled output has the target's distribution. Returns per sequence
     the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide).
     `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
     ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`).
-    Greedy EAGLE-3 on the fast path runs its rounds on the device (resident.py) unless
-    `resident` is False; this host loop runs everything else."""
+    With `resident`, greedy EAGLE-3 on the fast path runs its rounds on the device (resident.py);
+    this host loop runs everything else."""
     from .resident import eligible, resident_generate
 
     if resident and eligible(fast, proposer, temperature):

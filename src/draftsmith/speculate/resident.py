@@ -262,7 +262,7 @@ class Resident:
 def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, depth: int,
                       eos_ids: Sequence[int], fast: FastTarget):
     """`engine.generate` for greedy EAGLE-3 on the fast path, every round on the device. Same
-    returns: (new tokens, SpecStats) per sequence; target_s and draft_s stay 0 (one graph does both)."""
+    returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one graph does both)."""
     from .engine import SpecStats, _rows, left_pad
 
     B, dev = len(prompts), target.device
@@ -287,5 +287,5 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     wall = time.perf_counter() - t_start
     stats = []
     for n, s in zip(new, per):
-        stats.append(SpecStats(tokens=len(n), wall_s=wall, **s))
+        stats.append(SpecStats(tokens=len(n), wall_s=wall, target_s=None, draft_s=None, **s))
     return new, stats
