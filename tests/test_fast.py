@@ -143,8 +143,10 @@ def test_auto_falls_back_to_eager_where_the_fast_path_cannot_run(tmp_path, monke
 
     path = make_model_dir(tmp_path, arch="gpt_oss", num_layers=2)
     target = load_target(path, device="cpu", dtype="float32")
-    with pytest.raises(DraftsmithError, match="sliding-window"):
+    with pytest.raises(DraftsmithError, match="sliding-window layers\\); set evaluate.fast: off"):
         evaluate.Paths(target, None, "static").get(1)
+    with pytest.raises(DraftsmithError, match="set regenerate.fast: off"):  # the field that chose it
+        fast.fast_target_or_none(target, "static", "static", "regenerate.fast", "transformers generate")
     monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": "static" if mode == "auto" else mode)
     paths = evaluate.Paths(target, None, "auto")
     assert paths.get(1) == (None, None) and paths.mode == "off"

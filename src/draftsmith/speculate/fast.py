@@ -62,7 +62,7 @@ def fast_target_or_none(target: Target, mode: str, requested: str, key: str, fal
     """FastTarget(target, mode, **kw); where the target cannot run it (e.g. sliding-window layers)
     an explicit `requested` mode errs and `auto` gets None, logged with `fallback` (what runs instead)."""
     try:
-        return FastTarget(target, mode, **kw)
+        return FastTarget(target, mode, key=key, **kw)
     except DraftsmithError as e:
         if requested != "auto":
             raise
@@ -219,10 +219,11 @@ class FastTarget:
     """The target over a static KV cache, optionally CUDA-graphed. Same interface as the
     engine's EagerVerifier: prefill, verify, keep, past."""
 
-    def __init__(self, target: Target, mode: str = "graphs", batch_size: int = 1, max_len: int = 2048):
+    def __init__(self, target: Target, mode: str = "graphs", batch_size: int = 1, max_len: int = 2048,
+                 key: str = "evaluate.fast"):
         if mode not in MODES[1:]:
             raise ValueError(f"FastTarget mode {mode!r}: one of {MODES[1:]}")
-        self.target, self.mode, self.device = target, mode, target.device
+        self.target, self.mode, self.device, self.key = target, mode, target.device, key  # key: the recipe field, for messages
         self.graphs = mode in ("graphs", "compile") and graph_safe_experts(target.model)
         self.fn = self._forward
         if mode == "compile":
@@ -245,7 +246,7 @@ class FastTarget:
         for layer in self.cache.layers:
             if getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length"):
                 raise DraftsmithError(f"{type(self.target.model).__name__}: the fast path needs a plain static KV cache "
-                                      "(transformers >= 5 StaticLayer, no sliding-window layers); set evaluate.fast: off")
+                                      f"(transformers >= 5 StaticLayer, no sliding-window layers); set {self.key}: off")
         self.B, self.S = batch_size, S
         self.reallocations += 1
         self.cols = torch.arange(S, device=self.device)
