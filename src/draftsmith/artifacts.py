@@ -14,9 +14,10 @@ import os
 import platform
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 MANIFEST = "manifest.json"
 LEDGER = "ledger.jsonl"
@@ -45,14 +46,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+def atomic_write_bytes(path: str | Path, data: bytes | Sequence[bytes | memoryview]) -> None:
+    """Write `data` (bytes, or chunks written one after another) to `path` so that readers see
+    either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for chunk in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data):
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -88,15 +91,18 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
 
     data = save({k: tensors[k].contiguous() for k in sorted(tensors)},
                 metadata=None if metadata is None else {k: metadata[k] for k in sorted(metadata)})
-    data = _canonical_safetensors_header(data)
-    atomic_write_bytes(path, data)
-    return hashlib.sha256(data).hexdigest()
+    head, body = _canonical_safetensors_header(data), memoryview(data)[8 + int.from_bytes(data[:8], "little"):]
+    atomic_write_bytes(path, (head, body))  # the tensor bytes are written from `data`, never copied
+    sha = hashlib.sha256(head)
+    sha.update(body)
+    return sha.hexdigest()
 
 
 def _canonical_safetensors_header(data: bytes) -> bytes:
-    """`data` (a safetensors file) with its JSON header in one canonical form: `__metadata__`
-    first with sorted keys, then the tensors in the order of their data offsets, compact JSON,
-    padded with spaces to 8 bytes as safetensors pads it. The tensor bytes are unchanged."""
+    """The 8-byte length and JSON header of `data` (a safetensors file) in one canonical form:
+    `__metadata__` first with sorted keys, then the tensors in the order of their data offsets,
+    compact JSON, padded with spaces to 8 bytes as safetensors pads it. The tensor bytes that
+    follow the header stay as they are."""
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8:8 + n])
     out: dict[str, Any] = {}
@@ -107,7 +113,7 @@ def _canonical_safetensors_header(data: bytes) -> bytes:
         out[name] = header[name]
     blob = json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
-    return len(blob).to_bytes(8, "little") + blob + data[8 + n:]
+    return len(blob).to_bytes(8, "little") + blob
 
 
 def read_json(path: str | Path) -> Any:
