@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,26 +191,39 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     mine = [p for i, p in enumerate(data_shards) if i % ranks.world == ranks.rank]
     done_mine = [entries[p.name] for p in mine if p.name in entries]
 
-    t0, fwd_tokens = time.time(), 0
-    for path in tqdm(mine, desc=f"capture[{ranks.rank}]" if ranks.world > 1 else "capture", unit="shard", disable=None):
-        if path.name in entries:
-            continue
-        samples = read_shard(path, with_hidden=False)
-        top = max((int(s.input_ids.max()) for s in samples if len(s)), default=-1)
-        if top >= target.vocab_size:
-            raise DraftsmithError(f"{path}: token id {top} >= the target's vocab_size {target.vocab_size}; the tokenizer in "
-                                  f"{recipe.target.path} does not belong to its model, fix the folder and rerun `draftsmith prepare --force`")
-        good, rejected = capture_samples(target, samples, cfg.batch_tokens, cfg.storage_dtype)
-        # One metadata key only: safetensors writes metadata in hash order, which changes from
-        # process to process, so two keys would break byte-identical reruns.
-        entry = write_shard(out_dir / path.name, good, metadata={"stage": "capture"}, storage_dtype=cfg.storage_dtype)
+    def record(write, rejected: int) -> None:
+        """A shard's write finished: list it in this rank's file (and the manifest, for `status`)."""
+        entry = write.result()
         entry["rejected_nonfinite"] = rejected
-        fwd_tokens += sum(len(s) for s in samples)
         done_mine.append(entry)
         atomic_write_json(_rank_file(out_dir, ranks.rank), {"fingerprint": fp, "shards": done_mine})
-        if ranks.rank == 0 and ranks.world == 1:  # progress in the manifest, for `status`
+        if ranks.rank == 0 and ranks.world == 1:
             _merge(m, {**entries, **{e["file"]: e for e in done_mine}}, names)
             write_manifest(out_dir, m)
+
+    # Shard i is written (packed, fp8-encoded, serialised, hashed, fsynced) by one writer thread
+    # while shard i + 1 is captured; a shard is listed only once its file is whole. A crash
+    # waits for the write in flight and leaves it unlisted: the resumed run rewrites it.
+    t0, fwd_tokens, pending = time.time(), 0, None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-writer") as writer:
+        for path in tqdm(mine, desc=f"capture[{ranks.rank}]" if ranks.world > 1 else "capture", unit="shard", disable=None):
+            if path.name in entries:
+                continue
+            samples = read_shard(path, with_hidden=False)
+            top = max((int(s.input_ids.max()) for s in samples if len(s)), default=-1)
+            if top >= target.vocab_size:
+                raise DraftsmithError(f"{path}: token id {top} >= the target's vocab_size {target.vocab_size}; the tokenizer in "
+                                      f"{recipe.target.path} does not belong to its model, fix the folder and rerun `draftsmith prepare --force`")
+            good, rejected = capture_samples(target, samples, cfg.batch_tokens, cfg.storage_dtype)
+            fwd_tokens += sum(len(s) for s in samples)
+            if pending is not None:
+                record(*pending)
+            # One metadata key only: safetensors writes metadata in hash order, which changes from
+            # process to process, so two keys would break byte-identical reruns.
+            pending = (writer.submit(write_shard, out_dir / path.name, good, metadata={"stage": "capture"},
+                                     storage_dtype=cfg.storage_dtype), rejected)
+        if pending is not None:
+            record(*pending)
     dt = time.time() - t0
     ranks.barrier()  # every rank's shards are written before rank 0 merges
 
