@@ -236,3 +236,15 @@ def test_bench_capture_smoke(tmp_path):
         lo, hi = r[key + "_range"]
         assert 0 < lo <= r[key] <= hi
     assert r["bytes_per_token_fp8"] < r["bytes_per_token_bf16"]
+
+
+def test_bench_write_smoke(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "write.json"
+    subprocess.run([sys.executable, str(root / "benchmarks/bench_write.py"), "--tokens", "256", "--hidden", "64",
+                    "--sample_len", "64", "--repeats", "1", "--dir", str(tmp_path), "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    res = json.loads(out.read_text())
+    # bf16: 256 tokens x (3 + 1) x 64 x 2 bytes of states; fp8 about half (plus its scales)
+    assert res["bfloat16"]["bytes"] > 256 * 4 * 64 * 2 > res["float8_e4m3"]["bytes"] > 256 * 4 * 64
+    assert res["bfloat16"]["mb_per_s"] > 0 and not list(tmp_path.glob("*.safetensors"))

@@ -190,3 +190,31 @@ def test_lossless_check_stops_on_a_bug_and_names_the_gaps(tmp_path):
     rec = evaluate.lossless_check(target, prompt, plain, spec, False, "p1", "eagle3_tree")
     assert (rec["lossless"], rec["first_difference"], rec["divergence"]) == (False, 3, "bug")
     assert evaluate.lossless_check(target, prompt, plain, list(plain), True, "p1", "ngram")["lossless"]
+
+
+def test_bench_resident_smoke(recipe, tmp_path):
+    """benchmarks/bench_resident.py on a CPU (static caches): both loops, every output equal to plain."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from draftsmith.artifacts import to_jsonable
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(to_jsonable(recipe)))
+    out = tmp_path / "bench_resident.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "benchmarks/bench_resident.py"), str(path), "--num_prompts", "2",
+                    "--max_new_tokens", "10", "--batch_sizes", "1", "2", "--fast", "static", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    assert res["path"] == "static" and set(res["batches"]) == {"1", "2"}
+    for B, row in res["batches"].items():
+        for m in ("eagle3_chain", "eagle3_tree"):
+            host, resident = row["methods"][m]["host"], row["methods"][m]["resident"]
+            assert host["identical"] == resident["identical"] == ("2/2")
+            assert host["tau"] == resident["tau"] and (B != "1" or resident["tau"] >= 1)
+            assert resident["speedup"] > 0 and resident["ms_per_round"] > 0
+    assert res["batches"]["1"]["plain_roofline"]["weight_bytes_per_step"] > 0
