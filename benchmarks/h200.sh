@@ -16,7 +16,8 @@
 # round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
 # -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone)
 # -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
-# -> residenttests (test_resident.py and test_fast.py, graphs included). Also: random (random weights, speed only), speculative
+# -> residenttests (test_resident.py and test_fast.py, graphs included) -> write (bench_write.py: shard
+# write throughput on this host's disk). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
@@ -77,6 +78,7 @@ for s in $STEPS; do case $s in
   fast)      step fast "${FAST_LIMIT:-330}" python3 benchmarks/bench_fast.py --moe_target /tmp/ref --out "$OUT/bench_fast.json" ;;
   capture)   step capture 110 python3 benchmarks/bench_capture.py --target /tmp/ref --batch 8 --seq-len 1024 \
                --out "$OUT/bench_capture.json" ;;
+  write)     step write 120 python3 benchmarks/bench_write.py --repeats 5 --out "$OUT/bench_write.json" ;;
   train)     step train "${TRAIN_LIMIT:-230}" python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" \
                --budget-s "${TRAIN_BUDGET:-170}" ;;
   kimi)      step kimi "${KIMI_LIMIT:-200}" python3 benchmarks/bench_train.py --hiddens --out "$OUT/bench_train_kimi.json" \
