@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from draftsmith.speculate.eagle3 import Eagle3Proposer
-from draftsmith.speculate.engine import generate, plain_generate
+from draftsmith.speculate.engine import generate
 from draftsmith.speculate.fast import FastDraft, FastTarget
-from draftsmith.target.model import load_target
-from draftsmith.testing import make_model_dir
 
 from test_engine import PROMPTS, make_drafter
+from test_fast import plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -67,18 +66,6 @@ class OracleEagle(Eagle3Proposer):
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), None
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
-def target(request, tmp_path_factory):
-    torch.manual_seed(0)
-    path = make_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, num_layers=4)
-    return load_target(path, device=DEVICE, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def plains(target):
-    return [plain_generate(target, p, 24) for p in PROMPTS]
-
-
 def _times_off(st) -> dict:
     return {k: v for k, v in st.as_dict().items() if not k.endswith("_s")}
 
@@ -123,27 +110,3 @@ def test_resident_with_a_real_drafter_equals_plain(target, plains, mode):
                          fast=ft, resident=True)
             assert a[0] == b[0] == [plains[i] for i in batch]
             assert [_times_off(s) for s in a[1]] == [_times_off(s) for s in b[1]]
-
-
-@pytest.mark.skipif(not CUDA, reason="counts CUDA stream syncs")
-def test_resident_round_syncs_once(target, plains):
-    """One graph replay per round; the host reads one flag per round (a round late)."""
-    import warnings
-
-    ft = FastTarget(target, "graphs")
-    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
-    fd = FastDraft(drafter, graphs=True)
-    run = lambda: generate(target, Eagle3Proposer(drafter, topk=3, budget=8, fast=fd),  # noqa: E731
-                           [PROMPTS[0]], 24, depth=4, fast=ft, resident=True)
-    assert run()[0] == [plains[0]]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            new, [st] = run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    print(f"resident: {syncs} syncs in {st.rounds} rounds")
-    assert new == [plains[0]]
-    assert syncs <= st.rounds + 12, (syncs, st.rounds)  # the prefill and start read a few values once
