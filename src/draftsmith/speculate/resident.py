@@ -50,7 +50,7 @@ class Resident:
         self.n_cand = self.K + (depth - 1) * self.K * self.K
         self.M = min(prop.budget, self.n_cand)        # nodes verified per sequence (padded)
         self.N = 1 + prop.budget                       # verify rows, as the host loop pads them
-        self.T = depth + 1                             # committed tokens per round, at most
+        self.T = min(depth, self.M) + 1                # committed tokens per round, at most
         self.max_new, self.eos_host = max_new, set(eos_ids)
         self.W = max_new + self.T + 1                  # output buffer; its last column is scratch
         self.R = max_new + 2                           # per-round stats; the last column is scratch
