@@ -6,7 +6,6 @@ canonical header, fsync, sha256) on synthetic capture shards, per storage dtype,
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -17,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from draftsmith.artifacts import atomic_write_json  # noqa: E402
 from draftsmith.data.shards import Sample, write_shard  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             print(f"[bench_write] {sd}: {size / 1e6:.0f} MB in {med:.3f} s = {size / med / 1e6:.0f} MB/s, "
                   f"{n * a.sample_len / med:,.0f} tokens/s", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_json(a.out, result)
     return 0
 
 

@@ -37,7 +37,7 @@ import torch
 from ..artifacts import DraftsmithError
 from ..draft.model import DraftKVCache, Eagle3Drafter
 from ..target.model import Target, TargetOutput
-from .fast import FastTarget, additive, h2d
+from .fast import FastTarget, additive, copy_columns, h2d
 
 
 @dataclass
@@ -186,8 +186,7 @@ def move_rows(cache: Any, batch: list[int], src: list[int], dst: list[int], leng
         if batch:
             if t.device not in index:
                 index[t.device] = list(h2d([batch, src, dst], t.device))
-            b, s, d = index[t.device]
-            t[b, :, d] = t[b, :, s]
+            copy_columns((t,), *index[t.device])
         if not static:
             setattr(holder, name, t[:, :, :length])
     if static:

@@ -93,21 +93,32 @@ def pick_on_device(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return (p / torch.empty_like(p).exponential_()).argmax(-1)
 
 
-def capture(fn: Callable, args: Sequence[torch.Tensor] = (), undo: Optional[Callable[[], None]] = None):
+def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dict[str, torch.Tensor]] = None):
     """Run fn(*args) once for real on a side stream (lazy allocations, kernel selection,
-    compilation), call `undo` to revert its effects if they must not count, then capture one call
-    into a CUDA graph. Returns (graph, the captured call's outputs); replay the graph to compute."""
+    compilation), then capture one call into a CUDA graph. `state`: tensors fn advances in place
+    (a decoding step's counters); the warm-up's changes to them are undone, also when it fails.
+    Returns (graph, the captured call's outputs); replay the graph to compute."""
+    saved = {k: v.clone() for k, v in (state or {}).items()}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    if undo is not None:
-        undo()
+    try:
+        with torch.cuda.stream(side):
+            fn(*args)
+    finally:
+        torch.cuda.current_stream().wait_stream(side)
+        for k, v in saved.items():
+            state[k].copy_(v)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn(*args)
     return graph, out
+
+
+def copy_columns(tensors: Sequence[torch.Tensor], b, src, dst) -> None:
+    """KV-cache columns src -> dst of batch rows b (index tensors of one length), in every [B, heads,
+    S, d] tensor; all sources are read before any is written. Graph-safe with device indices."""
+    for t in tensors:
+        t[b, :, dst] = t[b, :, src]
 
 
 def device_tree_mask(cols: torch.Tensor, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor,
@@ -270,9 +281,7 @@ class FastTarget:
         return self.fn(ids, pos, past, device_tree_mask(self.cols, start, end, past, anc))
 
     def _keep(self, b, src, dst):
-        for layer in self.cache.layers:
-            for t in (layer.keys, layer.values):
-                t[b, :, dst] = t[b, :, src]
+        copy_columns([t for layer in self.cache.layers for t in (layer.keys, layer.values)], b, src, dst)
         return ()
 
     # -- the engine's interface ---------------------------------------------------------
@@ -388,12 +397,7 @@ class FastTarget:
             return step
         key = (temperature,)
         if self.plain_graph is None or self.plain_graph[0] != key:
-            saved = {k: v.clone() for k, v in st.items()}
-
-            def undo():  # the warm-up step advanced the state: put it back
-                for k, v in saved.items():
-                    st[k].copy_(v)
-            graph, _ = capture(step, undo=undo)
+            graph, _ = capture(step, state=st)  # the warm-up step's advance is undone
             self.plain_graph = (key, graph)
         return self.plain_graph[1].replay
 

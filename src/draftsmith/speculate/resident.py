@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..artifacts import log
-from .fast import FastTarget, capture, device_tree_mask, h2d
+from .fast import FastTarget, capture, copy_columns, device_tree_mask, h2d
 
 
 def eligible(fast, proposer, temperature: float) -> bool:
@@ -174,8 +174,7 @@ class Resident:
         dmv = fv.reshape(-1)
         dsrc = torch.where(dmv, (d_past + self.ar_T).expand(B, T).reshape(-1), cache.size - 1)
         ddst = torch.where(dmv, (st["d_end"][:, None] + self.ar_T).reshape(-1), cache.size - 1)
-        for t in (cache.k, cache.v):
-            t[self.b_idx, :, ddst] = t[self.b_idx, :, dsrc]
+        copy_columns((cache.k, cache.v), self.b_idx, dsrc, ddst)
         picked = g.gather(1, (n_b - 1).clamp(min=0)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
         st["g_last"].copy_(torch.where((n_b > 0)[:, None], picked.to(st["g_last"].dtype), st["g_last"]))
         st["d_end"] += n_b
@@ -189,29 +188,23 @@ class Resident:
         if not self.ft.graphs or self.graph is False:
             return self.round
         if self.graph is None:
-            saved = {k: v.clone() for k, v in self.state.items()}
-
-            def undo():  # the warm-up round advanced the state: put it back (cache writes are redone)
-                for k, v in saved.items():
-                    self.state[k].copy_(v)
-            try:
-                self.graph, _ = capture(self.round, undo=undo)
+            try:  # the warm-up round's advance of the state is undone (its cache writes are redone)
+                self.graph, _ = capture(self.round, state=self.state)
             except Exception as e:  # cannot be captured: eager rounds from now on (a real error recurs there)
                 torch.cuda.synchronize()
-                undo()
                 log(f"[fast] CUDA graph capture of the resident round failed ({str(e).splitlines()[0][:160]}); "
                     "its rounds run eagerly")
                 self.graph = False
                 return self.round
         return self.graph.replay
 
-    def run(self, first: list[int], pad: torch.Tensor, P: int) -> tuple[list[list[int]], list[dict]]:
+    def run(self, first: list[int], pad: list[int], P: int) -> tuple[list[list[int]], list[dict]]:
         """Rounds until every sequence is done. `first` = the prefill's tokens; the proposer has
         been started (its committed rows hold the prompts). Returns (new tokens, stats) per sequence."""
         st, prop, dev = self.state, self.prop, self.ft.device
         for k in ("n_gen", "rounds", "r_drafted", "r_accepted", "r_emitted", "drafted", "reached", "accepted", "buf"):
             st[k].zero_()
-        host = torch.tensor([[p, P, f, 1, int(f in self.eos_host or self.max_new <= 1)] for p, f in zip(pad.tolist(), first)])
+        host = torch.tensor([[p, P, f, 1, int(f in self.eos_host or self.max_new <= 1)] for p, f in zip(pad, first)])
         init = h2d(host, dev)
         st["t_start"].copy_(init[:, 0])
         st["t_end"].copy_(init[:, 1])
@@ -223,9 +216,7 @@ class Resident:
         st["d_end"].copy_(prop.end_col)
         st["d_rows"].copy_(prop.rows)
         st["g_last"].copy_(prop.g_last)
-        step = self._replay()
-        if bool(host[:, 4].all()):
-            step = None
+        step = None if bool(host[:, 4].all()) else self._replay()
         cuda = dev.type == "cuda"
         flags = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]
         events = [torch.cuda.Event() if cuda else None for _ in range(2)]
@@ -236,15 +227,15 @@ class Resident:
             step()
             i = r % 2
             flags[i].copy_(st["done"].all(), non_blocking=cuda)
-            if cuda:
-                events[i].record()
             if not cuda:
                 if bool(flags[i]):
                     break
-            elif pending is not None:  # read the round before this one: the GPU has this round queued
-                events[pending].synchronize()
-                if bool(flags[pending]):
-                    break
+            else:
+                events[i].record()
+                if pending is not None:  # read the round before this one: the GPU has this round queued
+                    events[pending].synchronize()
+                    if bool(flags[pending]):
+                        break
             pending, r = i, r + 1
         n_gen = st["n_gen"].tolist()
         buf, rounds = st["buf"].tolist(), st["rounds"].tolist()
@@ -270,9 +261,9 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     ids, pad, pos = left_pad(prompts, dev)
     P = ids.shape[1]
     out = fast.prefill(ids, pos, pad, max_new_tokens, 1 + proposer.max_nodes)
-    first = out.logits[:, -1].argmax(-1).tolist()
+    first, pad_h = out.logits[:, -1].argmax(-1).tolist(), pad.tolist()
     tokens = [list(p) + [f] for p, f in zip(prompts, first)]
-    proposer.start(tokens, [_rows(out, b, torch.arange(int(pad[b]), P, device=dev)) for b in range(B)])
+    proposer.start(tokens, [_rows(out, b, torch.arange(pad_h[b], P, device=dev)) for b in range(B)])
     needed = P + max_new_tokens + depth * proposer.topk + depth + 2
     if proposer.cache.size <= needed:
         proposer.cache = proposer.fast.grow(proposer.cache, needed)
@@ -283,7 +274,7 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
         res.prop = proposer  # a new proposer over the same buffers: the graph stays valid
     if res is None or not res.same_caches():
         res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids)
-    new, per = res.run(first, pad, P)
+    new, per = res.run(first, pad_h, P)
     wall = time.perf_counter() - t_start
     stats = []
     for n, s in zip(new, per):
