@@ -1,6 +1,7 @@
 """Training on 2 CPU ranks (gloo, FSDP2) equals training on 1 at the same global batch, and a
 run resumes exactly at another world size. Ranks are torch.multiprocessing spawns."""
 import contextlib
+import json
 import os
 import socket
 
@@ -106,3 +107,16 @@ def test_resume_at_another_world_size(tmp_path, setup):
     assert read_json(train / "step-000006" / "meta.json")["world_size"] == 2
     run_ranks(1, recipe, run_dir)
     assert losses(run_dir) == pytest.approx(losses(ref), rel=RTOL)
+
+
+def test_checkpoint_after_an_eval_that_is_not_the_best(tmp_path, setup):
+    """FSDP leaves the root module's parameters gathered after a forward with no backward (the
+    held-out evaluation); a checkpoint must still see the sharded ones the optimizer holds.
+    lr 0: the second evaluation equals the first, so no best-drafter gather runs in between."""
+    target, samples, _ = setup
+    recipe, run_dir = make_run(tmp_path, target, samples, **{**KW, "max_steps": 2, "save_every": 2, "lr": 0.0,
+                                                             "heldout_samples": 3, "eval_every": 1})
+    run_ranks(2, recipe, run_dir)
+    assert (run_dir / "train" / "latest").read_text().strip() == "step-000002"
+    evals = [json.loads(line) for line in (run_dir / "train" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [1, 2] and evals[0]["tau"] == evals[1]["tau"]

@@ -368,6 +368,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     out = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden, head_weight, wt)
                 if j < len(batches):
                     sums += torch.cat([out[0].detach().reshape(1), *out[1:]]).double()
+        if is_sharded(model):  # FSDP keeps the root's parameters gathered after a forward with no backward;
+            model.reshard()    # the optimizer (and a checkpoint's state dict) holds the sharded ones
         all_reduce_sum(sums, info)
         correct, weight = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
         acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
