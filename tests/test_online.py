@@ -84,7 +84,8 @@ def _train(recipe, run_dir, next_batch, plan, steps=4):
     losses = []
     for ids in plan[:steps]:
         b = next_batch(ids)
-        out = ttt_loss(model, b.input_ids, b.loss_mask, b.aux_hidden, b.final_hidden, head, 3, 0.8)
+        out = ttt_loss(model, b.input_ids, b.loss_mask, b.aux_hidden, b.final_hidden, head, 3, 0.8,
+                       position_ids=b.position_ids, doc_ids=b.doc_ids)
         out.loss.backward()
         opt.step()
         opt.zero_grad()
@@ -92,18 +93,19 @@ def _train(recipe, run_dir, next_batch, plan, steps=4):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_online_training_equals_offline(bf16_run):
+@pytest.mark.parametrize("packed_tokens", [160, None])  # packed rows of 160 tokens, or padded batches
+def test_online_training_equals_offline(bf16_run, packed_tokens):
     recipe, run_dir = bf16_run
     index = CaptureIndex(sorted((run_dir / "capture").glob("shard-*.safetensors")), MAX_LENGTH, 64, 3)
     # the same samples in the same order from the token shards (CaptureIndex keeps samples with
     # 3+ tokens and a loss token at position >= 2; none is longer than MAX_LENGTH here)
     tokens = [s for s in _token_samples(run_dir) if len(s) >= 3 and bool(s.loss_mask[2:].any())]
     assert len(tokens) == len(index) and max(len(s) for s in tokens) <= MAX_LENGTH
-    plan = epoch_plan(index.lengths, 160, seed=0, epoch=0)
+    plan = epoch_plan(index.lengths, 160, seed=0, epoch=0, layout="packed" if packed_tokens else "padded")
     assert len(plan) >= 4 and any(len(b) > 1 for b in plan[:4])
     target = _target(recipe)
-    offline = _train(recipe, run_dir, index.batch, plan)
-    online = _train(recipe, run_dir, lambda ids: online_batch(target, [tokens[j] for j in ids], "bfloat16", 1), plan)
+    offline = _train(recipe, run_dir, lambda ids: index.batch(ids, packed_tokens), plan)
+    online = _train(recipe, run_dir, lambda ids: online_batch(target, [tokens[j] for j in ids], "bfloat16", 1, packed_tokens), plan)
     assert offline[0] == online[0]
     assert offline[0][-1] < offline[0][0]  # it learns
     for name, w in offline[1].items():

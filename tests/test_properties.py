@@ -15,7 +15,7 @@ from draftsmith.artifacts import DraftsmithError, safe_join
 from draftsmith.data.readers import ReadStats, read_conversations
 from draftsmith.data.shards import Sample, read_shard, write_shard
 from draftsmith.data.shards import length_batches
-from draftsmith.train.data import epoch_plan
+from draftsmith.train.data import PACK_CHUNK_BATCHES, epoch_plan
 from draftsmith.vocab import build_vocab, draft_ids, load_vocab
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -145,12 +145,21 @@ def test_shard_round_trip(lengths, hidden, tmp_path):
 @given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=60), budget=st.integers(1, 256),
        seed=st.integers(0, 5), epoch=st.integers(0, 3))
 def test_batch_plans_partition_within_budget(lengths, budget, seed, epoch):
-    for batches in (length_batches(lengths, budget), epoch_plan(lengths, budget, seed, epoch)):
+    for batches in (length_batches(lengths, budget), epoch_plan(lengths, budget, seed, epoch, "padded")):
         flat = [i for b in batches for i in b]
         assert sorted(flat) == list(range(len(lengths)))  # every sample once
         for b in batches:
             assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget
-    assert epoch_plan(lengths, budget, seed, epoch) == epoch_plan(lengths, budget, seed, epoch)
+    packed = epoch_plan(lengths, budget, seed, epoch, "packed")
+    assert sorted(i for b in packed for i in b) == list(range(len(lengths)))
+    for b in packed:
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= budget
+    # best-fit: no two bins could be merged (fits the budget), except across chunks
+    if sum(lengths) < PACK_CHUNK_BATCHES * budget:
+        loads = sorted(sum(lengths[i] for i in b) for b in packed)
+        assert len(loads) < 2 or loads[0] + loads[1] > budget
+    for layout in ("packed", "padded"):
+        assert epoch_plan(lengths, budget, seed, epoch, layout) == epoch_plan(lengths, budget, seed, epoch, layout)
 
 
 segment = st.sampled_from(["..", ".", "a", "b", "", "/", "etc", "passwd", "..\\x", "~"])

@@ -17,9 +17,10 @@ from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import epoch_plan
 from draftsmith.train.ttt import simulated_tau
 
-# Losses of steps 1 and 3 of the toy run with seed 0 (pinned: a change to data order, init,
-# TTT shifts, loss weighting or the optimizer must show up here and be re-pinned on purpose).
-GOLDEN_LOSSES = [10.18384075, 10.00919724]
+# Losses of steps 1 and 3 of the toy run with seed 0, per batch layout (pinned: a change to data
+# order, init, TTT shifts, loss weighting or the optimizer must show up here and be re-pinned on
+# purpose). The padded values are those from before packed batches existed.
+GOLDEN_LOSSES = {"padded": [10.18384075, 10.00919724], "packed": [10.18843555, 10.09476852]}
 TOKENS = list(range(10, 50))  # the toy language uses 40 token ids
 
 
@@ -142,11 +143,12 @@ def test_exact_resume_after_crash(tmp_path, target_dir, monkeypatch):
     assert {k: ma[k] for k in ("loss", "acc_per_position", "tau_simulated")} == {k: mb[k] for k in ("loss", "acc_per_position", "tau_simulated")}
 
 
-def test_golden_first_step_loss(tmp_path, target_dir):
-    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir), max_steps=3)
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_golden_first_step_loss(tmp_path, target_dir, layout):
+    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir), max_steps=3, batch_layout=layout)
     loop.run(recipe, run_dir, "fp-train")
     ls = losses(run_dir)
-    assert [ls[0], ls[2]] == pytest.approx(GOLDEN_LOSSES, rel=1e-5)
+    assert [ls[0], ls[2]] == pytest.approx(GOLDEN_LOSSES[layout], rel=1e-5)
 
 
 def test_nonfinite_steps_are_skipped_then_stop(tmp_path, target_dir):
@@ -160,10 +162,33 @@ def test_nonfinite_steps_are_skipped_then_stop(tmp_path, target_dir):
 
 def test_epoch_plan_is_deterministic_and_within_budget():
     lengths = [5, 17, 3, 30, 8, 8, 12, 25, 4]
-    plan = epoch_plan(lengths, 40, seed=1, epoch=0)
-    assert plan == epoch_plan(lengths, 40, seed=1, epoch=0) and plan != epoch_plan(lengths, 40, seed=1, epoch=1)
-    assert sorted(j for b in plan for j in b) == list(range(len(lengths)))
-    assert all(len(b) * max(lengths[j] for j in b) <= 40 for b in plan)
+    for layout in ("packed", "padded"):
+        plan = epoch_plan(lengths, 40, seed=1, epoch=0, layout=layout)
+        assert plan == epoch_plan(lengths, 40, seed=1, epoch=0, layout=layout)
+        assert plan != epoch_plan(lengths, 40, seed=1, epoch=1, layout=layout)
+        assert sorted(j for b in plan for j in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[j] for j in b) <= 40 for b in epoch_plan(lengths, 40, 1, 0, "padded"))
+    packed = epoch_plan(lengths, 40, 1, 0, "packed")
+    assert all(sum(lengths[j] for j in b) <= 40 for b in packed)
+    assert len(packed) == 3  # 112 tokens in 3 bins of 40: best-fit decreasing leaves no bin to spare
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_epochs_are_whole_passes(tmp_path, target_dir, layout):
+    """epochs: 2 trains every sample exactly twice (steps counted from the two epoch plans; an
+    epoch's last step takes only what is left of it), whatever the padding."""
+    samples = toy_samples(target_dir)
+    recipe, run_dir = make_run(tmp_path, target_dir, samples, max_steps=None, epochs=2, batch_tokens=128,
+                               micro_batch_tokens=64, batch_layout=layout, save_every=100)
+    m = loop.run(recipe, run_dir, "fp-train")
+    recs = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["tokens"] for r in recs) == 2 * sum(len(s) for s in samples)
+    assert [r["epoch"] for r in recs] == sorted(r["epoch"] for r in recs) and {r["epoch"] for r in recs} == {0, 1}
+    plans = [epoch_plan([len(s) for s in samples], 64, 0, e, layout) for e in (0, 1)]
+    assert m["counts"]["steps"] == sum(-(-len(p) // 2) for p in plans) == len(recs)
+    # each step's label weights are those of whole samples: a pass holds each label once
+    weight0 = sum(int(s.loss_mask[2:].sum()) for s in samples)
+    assert sum(r["weight"][0] for r in recs) == 2 * weight0
 
 
 @pytest.mark.gpu

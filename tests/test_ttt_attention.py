@@ -93,3 +93,153 @@ def test_compiled_flex_on_cuda_matches_reference():
     torch.testing.assert_close(o.float(), ref_o.float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+# -------------------------------------------------------------- packed batches (document masking)
+
+LENGTHS = [37, 5, 130, 1, 60]  # samples end to end in one row of PACKED (the rest is padding)
+PACKED = 260
+
+
+def packed_docs(lengths=LENGTHS, total=PACKED):
+    docs = torch.full((1, total), len(lengths), dtype=torch.int32)
+    c = 0
+    for d, n in enumerate(lengths):
+        docs[0, c:c + n] = d
+        c += n
+    return docs
+
+
+def packed_inputs(steps, nh=4, nkv=2, hd=8, dtype=torch.float64):
+    """q/k/v of one packed row: the samples' rows end to end, then padding (random too: the
+    mask must keep it out)."""
+    g = torch.Generator().manual_seed(3)
+    mk = lambda n: torch.randn(1, n, PACKED, hd, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return mk(nh), [mk(nkv) for _ in range(steps)], [mk(nkv) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_equals_each_sample_alone(impl, steps, dtype, monkeypatch):
+    """Document-masked attention over a packed row gives each sample's own (unpacked) result,
+    outputs and gradients, for every kernel; 9-row query blocks make the chunked kernel start its
+    keys mid-row (at a document start)."""
+    monkeypatch.setattr(ta, "CHUNK_SCORES", 4 * PACKED * 9)
+    q, ks, vs = packed_inputs(steps, dtype=dtype)
+    scale = 8 ** -0.5
+    o, g = value_and_grads(lambda *a: ta.ttt_attention(*a, scale, impl, ta.TTTMask(packed_docs())), q, ks, vs)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=o.dtype)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    c = 0
+    for n in LENGTHS:  # each sample alone, through the reference, with the same output weights
+        cut = lambda t: t[:, :, c:c + n].detach().requires_grad_()  # noqa: E731
+        qs, kss, vss = cut(q), [cut(k) for k in ks], [cut(v) for v in vs]
+        os_ = ta.ttt_attention_reference(qs, kss, vss, scale)
+        gs = torch.autograd.grad((os_ * w[:, :, c:c + n]).sum(), [qs, *kss, *vss])
+        torch.testing.assert_close(o[:, :, c:c + n], os_.detach(), **tol)
+        for a, b in zip(g, gs):
+            torch.testing.assert_close(a[:, :, c:c + n], b, **tol)
+        c += n
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_flex_document_mask_matches_reference(steps):
+    """The hand-built flex block mask (block lists from per-block document ids) gives the
+    reference result on a packed row whose length is not a multiple of the block size (eager
+    flex on CPU: forward only, torch has no CPU flex backward)."""
+    q, ks, vs = packed_inputs(steps, dtype=torch.float32)
+    q, ks, vs = q.detach(), [k.detach() for k in ks], [v.detach() for v in vs]
+    mask = ta.TTTMask(packed_docs())
+    o = ta.ttt_attention_flex(q, ks, vs, 8 ** -0.5, compiled=False, mask=mask)
+    torch.testing.assert_close(o, ta.ttt_attention_reference(q, ks, vs, 8 ** -0.5, mask.docs), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_block_lists_skip_other_documents():
+    """Blocks whose keys all lie in other documents are not listed; a block inside one document,
+    before the query block, is listed as full (no per-element mask)."""
+    docs = torch.tensor([[0] * 256 + [1] * 256], dtype=torch.int32)  # blocks 0,1: doc 0; blocks 2,3: doc 1
+    bm = ta._flex_block_mask(docs, 2)
+    partial = [sorted(bm.kv_indices[0, 0, qb, :bm.kv_num_blocks[0, 0, qb]].tolist()) for qb in range(4)]
+    full = [sorted(bm.full_kv_indices[0, 0, qb, :bm.full_kv_num_blocks[0, 0, qb]].tolist()) for qb in range(4)]
+    assert partial == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the diagonal block of steps 0 and 1
+    assert full == [[], [0], [], [2]]  # earlier blocks of the same document only
+
+
+def test_compiled_flex_compiles_once_for_a_fixed_shape():
+    """torch.compile'd flex attention (CPU: forward) over fixed-shape packed rows with different
+    document layouts: one compiled graph per TTT step count, no recompilation per batch."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    q, ks, vs = packed_inputs(2, nh=2, nkv=1, dtype=torch.float32)
+    q, ks, vs = q.detach(), [k.detach() for k in ks], [v.detach() for v in vs]
+    for lengths in ([37, 5, 130, 1, 60], [260], [100, 100, 20]):
+        mask = ta.TTTMask(packed_docs(lengths))
+        for steps in (1, 2):
+            o = ta.ttt_attention_flex(q, ks[:steps], vs[:steps], 8 ** -0.5, compiled=True, mask=mask)
+            ref = ta.ttt_attention_reference(q, ks[:steps], vs[:steps], 8 ** -0.5, mask.docs)
+            torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_drafter_ttt_loss_packed_equals_padded():
+    """The TTT loss of samples packed into one row (positions restarting, document ids, labels
+    not crossing a sample) equals that of the same samples padded one per row: loss, CE,
+    accuracy counts, weights and every parameter gradient."""
+    from draftsmith.data.shards import Sample
+    from draftsmith.train.data import collate
+    from draftsmith.train.ttt import position_weights, ttt_loss
+
+    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=50, draft_vocab_size=20)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg).double()
+    head = torch.randn(20, 32, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for n in (19, 3, 11, 26):
+        mask = torch.rand(n, generator=g) < 0.7
+        samples.append(Sample(torch.randint(0, 50, (n,), generator=g), mask, 0,
+                              torch.randn(n, 96, generator=g, dtype=torch.float64), torch.randn(n, 32, generator=g, dtype=torch.float64)))
+    steps = 3
+    wt = torch.stack([position_weights(s.loss_mask, steps) for s in samples]).sum(0)
+
+    def run(batch, impl):
+        model.zero_grad()
+        out = ttt_loss(model, batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden, head, steps, 0.8, wt,
+                       impl, batch.position_ids, batch.doc_ids)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # ttt_loss takes the log-softmax in float32 (summation order then shows at ~1e-7)
+    ref, ref_g = run(collate(samples, None), "reference")
+    assert torch.equal(ref.weight, wt)  # every label counted once, none across a sample
+    for impl in ("reference", "chunked"):
+        out, grads = run(collate(samples, 64), impl)
+        for a, b in zip((out.loss, out.ce, out.correct, out.weight), (ref.loss, ref.ce, ref.correct, ref.weight)):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        for n in ref_g:
+            torch.testing.assert_close(grads[n], ref_g[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_on_cuda_packed_equals_each_sample_alone():
+    """On CUDA (compiled flex, forward and backward): a packed row with document ids gives each
+    sample's own reference result (bf16 tolerance)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    q, ks, vs = packed_inputs(4, nh=8, nkv=2, hd=64, dtype=torch.float32)
+    prep = lambda t: t.detach().cuda().bfloat16().requires_grad_()  # noqa: E731
+    q, ks, vs = prep(q), [prep(k) for k in ks], [prep(v) for v in vs]
+    scale = 64 ** -0.5
+    docs = packed_docs().cuda()
+    o, g = value_and_grads(lambda *a: ta.ttt_attention(*a, scale, "flex", ta.TTTMask(docs)), q, ks, vs)
+    ref_o, ref_g = value_and_grads(lambda *a: ta.ttt_attention_reference(*a, scale, docs), q, ks, vs)
+    n = sum(LENGTHS)  # real rows (padding rows see only padding: both agree there too)
+    torch.testing.assert_close(o[:, :, :n].float(), ref_o[:, :, :n].float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)

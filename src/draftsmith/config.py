@@ -138,16 +138,24 @@ class TrainConfig:
     """Unrolled draft steps per position; step i has loss weight decay**i."""
     ttt_decay: float = 0.8
     epochs: float = 1.0
-    """Passes over the captured data (fractions allowed); steps = epochs * tokens / batch_tokens."""
+    """Whole passes over the training samples (fractions allowed): the steps of each epoch are
+    counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
+    the micro-batches that are left)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (overrides epochs)."""
     batch_tokens: int = 4096
     """Global batch: tokens per optimizer step, over all ranks and micro-batches."""
     micro_batch_tokens: Optional[int] = None
-    """Padded tokens per forward/backward (samples packed up to this budget); a step takes
+    """Tokens per forward/backward, padding included: the length of a packed micro-batch (samples
+    longer than this are cut to it), or the padded budget B * longest; a step takes
     batch_tokens // micro_batch_tokens consecutive micro-batches, dealt round-robin to the ranks
     (gradient accumulation). Unset: batch_tokens / world size. Set it to get the same global
     batches at any world size."""
+    batch_layout: Literal["packed", "padded"] = "packed"
+    """packed: whole samples end to end in one fixed [1, micro_batch_tokens] row, positions
+    restarting at 0 and attention kept inside each sample (every micro-batch has the same
+    shape: compiled attention compiles once, little padding). padded: samples of similar length
+    right-padded to the longest, one per row (the shape changes from batch to batch)."""
     max_length: int = 2048
     """Samples longer than this are cut."""
     lr: float = 3e-4

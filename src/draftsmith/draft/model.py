@@ -219,13 +219,14 @@ class Eagle3Drafter(nn.Module):
     # -- training: the same layer unrolled for TTT ----------------------------------------
 
     def ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                 ttt_cache: list[tuple[torch.Tensor, torch.Tensor]], attention: str = "auto") -> torch.Tensor:
+                 ttt_cache: list[tuple[torch.Tensor, torch.Tensor]], attention: str = "auto", mask=None) -> torch.Tensor:
         """Training-time-test step i = len(ttt_cache) over full rows [B, L].
 
-        Row t attends to step-0 keys at rows <= t (causal) and to its own row's keys from
-        steps 1..i. Appends this step's (k, v) to ttt_cache. `attention` picks the kernel
-        (draft.ttt_attention: auto = flex on CUDA, a memory-lean chunked kernel elsewhere;
-        reference = the naive [L, L + i] scores)."""
+        Row t attends to step-0 keys at rows <= t (causal; with `mask`, a
+        draft.ttt_attention.TTTMask holding document ids, only those of its own sample) and to
+        its own row's keys from steps 1..i. Appends this step's (k, v) to ttt_cache. `attention`
+        picks the kernel (draft.ttt_attention: auto = flex on CUDA, a memory-lean chunked kernel
+        elsewhere; reference = the naive [L, L + i] scores)."""
         from .ttt_attention import ttt_attention
 
         layer = self.midlayer
@@ -235,7 +236,7 @@ class Eagle3Drafter(nn.Module):
         q, k, v = attn.qkv(x, position_ids)
         ttt_cache.append((k, v))
         o = ttt_attention(q, [kv[0] for kv in ttt_cache], [kv[1] for kv in ttt_cache],
-                          1.0 / math.sqrt(self.cfg.head_dim), attention)
+                          1.0 / math.sqrt(self.cfg.head_dim), attention, mask)
         return layer.finish(hidden, attn.out(o))
 
 

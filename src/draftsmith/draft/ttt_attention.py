@@ -1,22 +1,29 @@
 """Attention of a training-time-test (TTT) step, without the O(L^2 * k) score matrices.
 
 At TTT step i a query at row t attends to the step-0 keys at rows <= t (causal) and to its
-own row's keys from steps 1..i (the "diagonal" keys). Three implementations, same result:
+own row's keys from steps 1..i (the "diagonal" keys). Packed batches hold several samples end
+to end in one row; a `TTTMask` with document ids (the sample of each row) then also keeps every
+step-0 key of another sample out (document masking). The diagonal keys are the query's own row,
+so only the step-0 part needs the document ids. Three implementations, same result:
 
     reference  scores [L, L + i] per step, softmax, in plain torch (kept for tests; small L)
     chunked    a flash-style autograd Function: query blocks, running log-sum-exp, scores
-               recomputed in backward; memory O(block * L) per step, any device
+               recomputed in backward; memory O(block * L) per step, any device; with document
+               ids a query block reads only the keys from its first row's document start on
     flex       torch.nn.attention.flex_attention over the concatenated keys of steps 0..i with
-               a block mask (causal step-0 blocks + diagonal blocks); compiled on CUDA
+               a block mask (causal, same-document step-0 blocks + diagonal blocks); compiled on
+               CUDA. The block mask is built per batch from the document ids (tensor ops over
+               blocks, no per-element mask evaluation); the compiled kernel depends only on the
+               shapes, so a fixed-shape packed batch compiles once per TTT step, not per batch
 
-Step 0 (plain causal attention) uses F.scaled_dot_product_attention in chunked/flex modes.
-All take q [B, nh, L, hd] and the per-step keys/values ks, vs: lists of [B, nkv, L, hd]
-(step 0 first) and return [B, nh, L, hd].
+Step 0 (plain causal attention, no document ids) uses F.scaled_dot_product_attention in
+chunked/flex modes. All take q [B, nh, L, hd] and the per-step keys/values ks, vs: lists of
+[B, nkv, L, hd] (step 0 first) and return [B, nh, L, hd].
 """
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +31,37 @@ import torch.nn.functional as F
 AttentionImpl = Literal["auto", "reference", "chunked", "flex"]
 CHUNK_SCORES = 1 << 22  # score elements per query block of the chunked kernel (16 MiB in fp32)
 FLEX_BLOCK = 128
+PAD_DOC = torch.iinfo(torch.int32).max  # document id of flex's padding rows: after every real document
+
+
+class TTTMask:
+    """Which step-0 keys a TTT query row sees: rows <= its own and, with document ids, only
+    those of its own document. `docs` [B, L] integer, non-decreasing along L (packed samples in
+    order, padding last as a document of its own); None: the whole row is one document (padded
+    batches: the padding comes after the sample and causality keeps it out). Built once per
+    batch and shared by its TTT steps: it caches what the kernels derive from the ids."""
+
+    def __init__(self, docs: Optional[torch.Tensor] = None):
+        self.docs = docs
+        self._flex: dict[int, object] = {}
+        self._key_starts: Optional[list[int]] = None
+
+    def key_starts(self) -> list[int]:
+        """Per row t: the first row of t's document, minimum over the batch (host list, read once)."""
+        if self._key_starts is None:
+            B, L = self.docs.shape
+            rows = torch.arange(L, device=self.docs.device).expand(B, L)
+            new = torch.ones(B, L, dtype=torch.bool, device=self.docs.device)
+            new[:, 1:] = self.docs[:, 1:] != self.docs[:, :-1]
+            starts = torch.where(new, rows, torch.zeros_like(rows)).cummax(-1).values
+            self._key_starts = starts.amin(0).tolist()
+        return self._key_starts
+
+    def flex_block_mask(self, steps: int, B: int, L: int, device: torch.device):
+        if steps not in self._flex:
+            docs = torch.zeros(B, L, dtype=torch.int32, device=device) if self.docs is None else self.docs.to(torch.int32)
+            self._flex[steps] = _flex_block_mask(docs, steps)
+        return self._flex[steps]
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -38,30 +76,45 @@ def resolve_impl(impl: AttentionImpl, device: torch.device) -> str:
 
 
 def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
-                  impl: AttentionImpl = "auto") -> torch.Tensor:
+                  impl: AttentionImpl = "auto", mask: Optional[TTTMask] = None) -> torch.Tensor:
     impl = resolve_impl(impl, q.device)
+    mask = mask or TTTMask()
     n_rep = q.shape[1] // ks[0].shape[1]
     if impl == "reference":
-        return ttt_attention_reference(q, ks, vs, scale)
-    if len(ks) == 1:  # step 0: causal attention, a fused kernel on every device
+        return ttt_attention_reference(q, ks, vs, scale, mask.docs)
+    if len(ks) == 1 and mask.docs is None:  # step 0 of a padded batch: causal attention, a fused kernel on every device
         return F.scaled_dot_product_attention(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), is_causal=True, scale=scale)
     if impl == "flex":
-        return ttt_attention_flex(q, ks, vs, scale)
+        return ttt_attention_flex(q, ks, vs, scale, mask=mask)
     if impl == "chunked":
-        kd = torch.stack([_repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
-        vd = torch.stack([_repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
-        return _ChunkedTTTAttention.apply(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), kd, vd, scale)
+        B, _, L, hd = q.shape
+        if len(ks) > 1:
+            kd = torch.stack([_repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
+            vd = torch.stack([_repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
+        else:  # step 0 of a packed batch: no diagonal keys
+            kd = vd = q.new_zeros(B, q.shape[1], L, 0, hd)
+        starts = None if mask.docs is None else mask.key_starts()
+        return _ChunkedTTTAttention.apply(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), kd, vd, scale, mask.docs, starts)
     raise ValueError(f"unknown TTT attention implementation {impl!r} (auto, reference, chunked, flex)")
 
 
-def ttt_attention_reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float) -> torch.Tensor:
+def _visible(docs: Optional[torch.Tensor], q_rows: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+    """Bool [B or 1, 1, len(q_rows), len(k_rows)]: key row <= query row, in the same document."""
+    ok = (k_rows[None, :] <= q_rows[:, None])[None, None]
+    if docs is not None:
+        ok = ok & (docs[:, q_rows][:, :, None] == docs[:, k_rows][:, None, :])[:, None]
+    return ok
+
+
+def ttt_attention_reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
+                            docs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The naive form: [L, L] step-0 scores plus i diagonal scores per row, one softmax."""
     n_rep = q.shape[1] // ks[0].shape[1]
     k0, v0 = _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep)
     L = q.shape[2]
+    rows = torch.arange(L, device=q.device)
     s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, L, L]
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    s0 = s0.masked_fill(~causal, float("-inf"))
+    s0 = s0.masked_fill(~_visible(docs, rows, rows), float("-inf"))
     diag = [(q * _repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale for kj in ks[1:]]
     s = torch.cat([s0, *diag], dim=-1).to(_acc(q)).softmax(-1).to(q.dtype)
     o = s[..., :L] @ v0
@@ -82,30 +135,35 @@ def _block_rows(B: int, H: int, L: int) -> int:
 class _ChunkedTTTAttention(torch.autograd.Function):
     """Exact TTT attention in query blocks with a saved log-sum-exp (flash-attention style):
     forward keeps only o and lse; backward recomputes each block's probabilities.
-    q, k0, v0 [B, nh, L, hd]; kd, vd [B, nh, L, i, hd] (diagonal keys/values of steps 1..i)."""
+    q, k0, v0 [B, nh, L, hd]; kd, vd [B, nh, L, i, hd] (diagonal keys/values of steps 1..i,
+    i may be 0); docs [B, L] document ids or None; starts[t] the first key row any query
+    row t of the batch can see (TTTMask.key_starts; None: 0)."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, scale):
+    def forward(ctx, q, k0, v0, kd, vd, scale, docs=None, starts=None):
         B, H, L, _ = q.shape
         o = torch.empty_like(q)
         lse = torch.empty(B, H, L, dtype=_acc(q), device=q.device)
         C = _block_rows(B, H, L)
         for a in range(0, L, C):
             b = min(L, a + C)
-            s, sd = _block_scores(q, k0, kd, a, b, scale)
-            m = torch.maximum(s.amax(-1), sd.amax(-1))
+            lo = starts[a] if starts is not None else 0
+            s, sd = _block_scores(q, k0, kd, a, b, lo, scale, docs)
+            m = s.amax(-1)
+            if sd.shape[-1]:
+                m = torch.maximum(m, sd.amax(-1))
             lse_b = m + torch.log(torch.exp(s - m[..., None]).sum(-1) + torch.exp(sd - m[..., None]).sum(-1))
             p, pd = torch.exp(s - lse_b[..., None]), torch.exp(sd - lse_b[..., None])
-            o[:, :, a:b] = (p.to(q.dtype) @ v0[:, :, :b] + (pd.to(q.dtype)[..., None] * vd[:, :, a:b]).sum(-2))
+            o[:, :, a:b] = (p.to(q.dtype) @ v0[:, :, lo:b] + (pd.to(q.dtype)[..., None] * vd[:, :, a:b]).sum(-2))
             lse[:, :, a:b] = lse_b
-        ctx.save_for_backward(q, k0, v0, kd, vd, o, lse)
-        ctx.scale = scale
+        ctx.save_for_backward(q, k0, v0, kd, vd, o, lse, docs)
+        ctx.scale, ctx.starts = scale, starts
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k0, v0, kd, vd, o, lse = ctx.saved_tensors
-        scale = ctx.scale
+        q, k0, v0, kd, vd, o, lse, docs = ctx.saved_tensors
+        scale, starts = ctx.scale, ctx.starts
         B, H, L, _ = q.shape
         f32 = _acc(q)
         dq = torch.empty_like(q, dtype=f32)
@@ -115,42 +173,63 @@ class _ChunkedTTTAttention(torch.autograd.Function):
         C = _block_rows(B, H, L)
         for a in range(0, L, C):
             b = min(L, a + C)
-            s, sd = _block_scores(q, k0, kd, a, b, scale)
+            lo = starts[a] if starts is not None else 0
+            s, sd = _block_scores(q, k0, kd, a, b, lo, scale, docs)
             p, pd = torch.exp(s - lse[:, :, a:b, None]), torch.exp(sd - lse[:, :, a:b, None])
             do_b, q_b = do[:, :, a:b].to(f32), q[:, :, a:b].to(f32)
-            dv0[:, :, :b] += p.transpose(-1, -2) @ do_b
+            dv0[:, :, lo:b] += p.transpose(-1, -2) @ do_b
             dvd[:, :, a:b] = pd[..., None] * do_b[..., None, :]
-            ds = p * (do_b @ v0[:, :, :b].to(f32).transpose(-1, -2) - delta[:, :, a:b, None])
+            ds = p * (do_b @ v0[:, :, lo:b].to(f32).transpose(-1, -2) - delta[:, :, a:b, None])
             dsd = pd * ((do_b[..., None, :] * vd[:, :, a:b].to(f32)).sum(-1) - delta[:, :, a:b, None])
-            dq[:, :, a:b] = (ds @ k0[:, :, :b].to(f32) + (dsd[..., None] * kd[:, :, a:b].to(f32)).sum(-2)) * scale
-            dk0[:, :, :b] += (ds.transpose(-1, -2) @ q_b) * scale
+            dq[:, :, a:b] = (ds @ k0[:, :, lo:b].to(f32) + (dsd[..., None] * kd[:, :, a:b].to(f32)).sum(-2)) * scale
+            dk0[:, :, lo:b] += (ds.transpose(-1, -2) @ q_b) * scale
             dkd[:, :, a:b] = dsd[..., None] * q_b[..., None, :] * scale
-        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd.to(kd.dtype), dvd.to(vd.dtype), None
+        return dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd.to(kd.dtype), dvd.to(vd.dtype), None, None, None
 
 
-def _block_scores(q, k0, kd, a: int, b: int, scale: float):
-    """Scores (float32 or float64) of query rows a:b: step-0 [B, H, b-a, b] (causal, -inf above the diagonal)
-    and diagonal [B, H, b-a, i]."""
+def _block_scores(q, k0, kd, a: int, b: int, lo: int, scale: float, docs: Optional[torch.Tensor]):
+    """Scores (float32 or float64) of query rows a:b: step-0 [B, H, b-a, b-lo] over key rows lo:b
+    (-inf above the diagonal and across documents) and diagonal [B, H, b-a, i]."""
     q_b = q[:, :, a:b]
-    s = (q_b @ k0[:, :, :b].transpose(-1, -2)).to(_acc(q)) * scale
-    rows = torch.arange(a, b, device=q.device)[:, None]
-    s = s.masked_fill(torch.arange(b, device=q.device)[None] > rows, float("-inf"))
+    s = (q_b @ k0[:, :, lo:b].transpose(-1, -2)).to(_acc(q)) * scale
+    s = s.masked_fill(~_visible(docs, torch.arange(a, b, device=q.device), torch.arange(lo, b, device=q.device)), float("-inf"))
     sd = (q_b[..., None, :] * kd[:, :, a:b]).sum(-1).to(_acc(q)) * scale
     return s, sd
 
 
 # -- flex attention ------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=64)
-def _ttt_block_mask(L: int, steps: int, device: str):
-    from torch.nn.attention.flex_attention import create_block_mask
+def _flex_block_mask(docs: torch.Tensor, steps: int):
+    """The BlockMask over cat(keys of steps 0..steps-1) for document ids docs [B, L]: step-0
+    blocks that hold a visible key (causal, same document; "full" when every pair is visible),
+    and the diagonal block of each later step. Built from per-block first/last document ids
+    (docs are non-decreasing), so it costs O(B * (L/128)^2 * steps) small tensor ops, not a pass of the
+    mask over every (query, key) pair as create_block_mask would."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, L = docs.shape
+    Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
+    docs = F.pad(docs, (0, Lp - L), value=PAD_DOC)
+    n = Lp // FLEX_BLOCK
+    first, last = docs[:, ::FLEX_BLOCK], docs[:, FLEX_BLOCK - 1::FLEX_BLOCK]  # [B, n] per block
+    qb = torch.arange(n, device=docs.device)[:, None]
+    kb = torch.arange(n, device=docs.device)[None, :]
+    any0 = (kb <= qb) & (last[:, None, :] >= first[:, :, None])  # [B, query block, key block]
+    full0 = (kb < qb) & (first[:, None, :] == last[:, :, None])
+    diag = torch.eye(n, dtype=torch.bool, device=docs.device).expand(B, n, n)
+    partial = torch.cat([any0 & ~full0] + [diag] * (steps - 1), dim=-1)
+    full = torch.cat([full0] + [torch.zeros_like(diag)] * (steps - 1), dim=-1)
+
+    def blocks(m):  # dense [B, n, steps*n] -> (count [B, 1, n], indices [B, 1, n, steps*n]) listed first
+        idx = torch.argsort(m.to(torch.uint8), dim=-1, descending=True, stable=True)
+        return m.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        step = kv_idx // L
-        pos = kv_idx - step * L
-        return (pos <= q_idx) & ((step == 0) | (pos == q_idx))
+        pos = kv_idx % Lp
+        return (pos == q_idx) | ((kv_idx < Lp) & (pos <= q_idx) & (docs[b, pos] == docs[b, q_idx]))
 
-    return create_block_mask(mask_mod, None, None, L, steps * L, device=device, BLOCK_SIZE=FLEX_BLOCK)
+    return BlockMask.from_kv_blocks(*blocks(partial), *blocks(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(Lp, steps * Lp))
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,26 +238,27 @@ def _compiled_flex():
 
     from torch.nn.attention.flex_attention import flex_attention
 
-    # One compiled kernel per (padded L, step): a run sees up to max_length/128 * ttt_steps shapes;
-    # past dynamo's default limit it would fall back to eager flex, which materialises the scores.
+    # One compiled kernel per (padded L, step): a fixed-shape (packed) batch needs ttt_steps of
+    # them; padded batches up to max_length/128 * ttt_steps, and past dynamo's default limit it
+    # would fall back to eager flex, which materialises the scores.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
     return torch.compile(flex_attention, dynamic=False)
 
 
 def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float,
-                       compiled: bool | None = None) -> torch.Tensor:
+                       compiled: bool | None = None, mask: Optional[TTTMask] = None) -> torch.Tensor:
     """flex_attention over cat(keys of steps 0..i) with the TTT block mask. L is padded to a
-    multiple of the block size so that the compiled kernel sees few distinct shapes; padded
-    keys sit after every real row's keys and are masked, padded query rows are dropped.
-    Compiled on CUDA (eager flex materialises the scores: use it only to check the mask)."""
+    multiple of the block size; padded keys are masked (causality, or their own document),
+    padded query rows are dropped. Compiled on CUDA (eager flex materialises the scores: use it
+    only to check the mask)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    L = q.shape[2]
+    B, _, L, _ = q.shape
     Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
     pad = (0, 0, 0, Lp - L)
     k = torch.cat([F.pad(t, pad) for t in ks], dim=2)
     v = torch.cat([F.pad(t, pad) for t in vs], dim=2)
-    mask = _ttt_block_mask(Lp, len(ks), str(q.device))
+    block_mask = (mask or TTTMask()).flex_block_mask(len(ks), B, L, q.device)
     fn = _compiled_flex() if (q.device.type == "cuda" if compiled is None else compiled) else flex_attention
-    o = fn(F.pad(q, pad), k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    o = fn(F.pad(q, pad), k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[:, :, :L]

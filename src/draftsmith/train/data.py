@@ -1,28 +1,40 @@
 """Training data: an index over capture shards (or token shards, online mode), a deterministic
-batch plan per epoch, padded batches.
+batch plan per epoch, packed (default) or padded batches, and a background loader.
 
 Capture shards can be far larger than memory (T x 3H hidden states), so the index keeps only
 token ids, loss masks and row ranges, and a batch reads its samples' hidden rows by slicing the
 memory-mapped safetensors files (`safe_open(...).get_slice`); `data.shards.read_shard` would
 load whole shards.
 
-Batch plan of epoch e: permute the samples with a generator seeded by (seed, e); cut each
-into chunks of CHUNK samples, sort a chunk by length (long first) and fill batches greedily
-while batch_size * longest <= batch_tokens (padded tokens, at least one sample); then permute
-the batches with the same generator. The plan depends only on (lengths, batch_tokens, seed, e),
-so a data cursor (epoch, position in the plan) resumes exactly.
+Two batch layouts (train.batch_layout):
+    packed  whole samples end to end in one fixed [1, budget] row: position ids restart at 0 per
+            sample, document ids say which sample a row belongs to (attention stays inside a
+            sample, ttt.ttt_loss), the tail after the last sample is padding (a document of its
+            own, token 0, mask 0, zero states). Every micro-batch has the same shape, so compiled
+            kernels compile once. Samples are cut to the budget (the index's max_length).
+    padded  samples of similar length, one per row, right-padded to the longest: [B, longest].
+Batch plan of epoch e: permute the samples with a generator seeded by (seed, e); cut the
+permutation into chunks, and group each chunk into batches: packed, best-fit decreasing into
+bins of `budget` tokens (a chunk holds PACK_CHUNK_BATCHES budgets of tokens, so that only its
+last bin can be left part-full); padded, CHUNK samples sorted by length (long first) filled
+greedily while batch_size * longest <= budget (at least one sample). Then permute the batches
+with the same generator. The plan depends only on (lengths, budget, seed, e, layout), so a data
+cursor (epoch, position in the plan) resumes exactly.
 
 Online mode (train.online) indexes prepare's token shards with `TokenIndex`: the same samples,
 cut and dropped by the same rule, in the same order as `CaptureIndex` over the capture of those
 shards (capture writes one shard per data shard, samples in source order), so the lengths and
 hence the batch plans are the same; the hidden states then come from the target's forward
-(target/online.py) instead of `CaptureIndex.batch`.
+(target/online.py, laid out by `collate`) instead of `CaptureIndex.batch`.
 """
 from __future__ import annotations
 
+import bisect
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -30,7 +42,9 @@ from ..artifacts import DraftsmithError
 from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard
 
 CHUNK = 1024
+PACK_CHUNK_BATCHES = 64
 REQUIRED = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
+Layout = Literal["packed", "padded"]
 
 
 @dataclass
@@ -40,10 +54,69 @@ class Batch:
     aux_hidden: torch.Tensor  # [B, L, n_aux * H] storage dtype
     final_hidden: torch.Tensor  # [B, L, H] storage dtype
     num_tokens: int  # real (unpadded) tokens
+    position_ids: Optional[torch.Tensor] = None  # int64 [B, L], 0 at each sample's start (packed); None: 0..L-1
+    doc_ids: Optional[torch.Tensor] = None  # int32 [B, L] sample of each row, padding last (packed); None: one per row
+
+    def tensors(self) -> tuple:
+        """The model's inputs: (input_ids, loss_mask, aux_hidden, final_hidden, position_ids, doc_ids)."""
+        return self.input_ids, self.loss_mask, self.aux_hidden, self.final_hidden, self.position_ids, self.doc_ids
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.loss_mask, self.aux_hidden, self.final_hidden)), self.num_tokens)
+        ids, mask, aux, fin, pos, docs = (None if t is None else t.to(device, non_blocking=True) for t in self.tensors())
+        return Batch(ids, mask, aux, fin, self.num_tokens, pos, docs)
+
+    def pin_memory(self) -> "Batch":
+        ids, mask, aux, fin, pos, docs = (None if t is None else t.pin_memory() for t in self.tensors())
+        return Batch(ids, mask, aux, fin, self.num_tokens, pos, docs)
+
+
+def batch_slots(lengths: Sequence[int], packed_tokens: Optional[int]) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+    """((B, L), [(row, first column) of each sample]): packed (packed_tokens set), one row of
+    packed_tokens with the samples end to end; padded, one row per sample, L the longest."""
+    if packed_tokens is None:
+        return (len(lengths), max(lengths)), [(r, 0) for r in range(len(lengths))]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    if starts[-1] > packed_tokens:
+        raise ValueError(f"samples of {starts[-1]} tokens do not fit a packed row of {packed_tokens}")
+    return (1, int(packed_tokens)), [(0, c) for c in starts[:-1]]
+
+
+def empty_batch(lengths: Sequence[int], packed_tokens: Optional[int], aux_width: int, final_width: int,
+                dtype: torch.dtype, pin: bool = False) -> tuple[Batch, list[tuple[int, int]]]:
+    """A zero batch for samples of these lengths (token 0, mask 0, zero states everywhere) with
+    its position and document ids set, and each sample's (row, first column) to fill in."""
+    (B, L), slots = batch_slots(lengths, packed_tokens)
+    zeros = dict(pin_memory=pin)
+    batch = Batch(torch.zeros(B, L, dtype=torch.int64, **zeros), torch.zeros(B, L, dtype=torch.float32, **zeros),
+                  torch.zeros(B, L, aux_width, dtype=dtype, **zeros), torch.zeros(B, L, final_width, dtype=dtype, **zeros),
+                  int(sum(lengths)))
+    if packed_tokens is not None:
+        pos = torch.empty(1, L, dtype=torch.int64, **zeros)
+        docs = torch.empty(1, L, dtype=torch.int32, **zeros)
+        end = 0
+        for d, ((_, c), n) in enumerate(zip(slots, lengths)):
+            pos[0, c:c + n] = torch.arange(n)
+            docs[0, c:c + n] = d
+            end = c + n
+        pos[0, end:] = torch.arange(L - end)
+        docs[0, end:] = len(lengths)  # the padding tail: a document of its own
+        batch.position_ids, batch.doc_ids = pos, docs
+    return batch, slots
+
+
+def collate(samples: Sequence[Sample], packed_tokens: Optional[int] = None) -> Batch:
+    """A Batch of samples with hidden states: packed into one row of packed_tokens, or (None)
+    right-padded, one sample per row."""
+    first = samples[0]
+    batch, slots = empty_batch([len(s) for s in samples], packed_tokens, first.aux_hidden.shape[-1],
+                               first.final_hidden.shape[-1], first.aux_hidden.dtype)
+    for (r, c), s in zip(slots, samples):
+        n = len(s)
+        batch.input_ids[r, c:c + n], batch.loss_mask[r, c:c + n] = s.input_ids, s.loss_mask.float()
+        batch.aux_hidden[r, c:c + n], batch.final_hidden[r, c:c + n] = s.aux_hidden, s.final_hidden
+    return batch
 
 
 class _Lengths:
@@ -110,26 +183,25 @@ class CaptureIndex(_Lengths):
                 self.loss_mask.append(mask[a:a + n])
         self.lengths = [e[2] for e in self.entries]
 
-    def batch(self, sample_ids: Sequence[int]) -> Batch:
-        """Right-padded batch of the given samples (padding: token 0, mask 0, zero states)."""
-        L = max(self.lengths[j] for j in sample_ids)
-        B = len(sample_ids)
-        ids = torch.zeros(B, L, dtype=torch.int64)
-        mask = torch.zeros(B, L, dtype=torch.float32)
-        aux = fin = None
-        for r, j in enumerate(sample_ids):
+    def batch(self, sample_ids: Sequence[int], packed_tokens: Optional[int] = None, pin: bool = False) -> Batch:
+        """The batch of the given samples, packed into one row of packed_tokens or (None)
+        right-padded; each sample's hidden rows are read straight into its slot. pin: in
+        page-locked memory (an asynchronous copy to the GPU)."""
+        batch = None
+        for k, j in enumerate(sample_ids):
             si, a, n = self.entries[j]
             h = self._handles[si]
             a_rows = read_hidden_rows(h, "aux_hidden", a, a + n)  # fp8 shards: decoded to float32
             f_rows = read_hidden_rows(h, "final_hidden", a, a + n)
-            if aux is None:
-                aux = torch.zeros(B, L, a_rows.shape[-1], dtype=a_rows.dtype)
-                fin = torch.zeros(B, L, f_rows.shape[-1], dtype=f_rows.dtype)
-            ids[r, :n] = self.input_ids[j]
-            mask[r, :n] = self.loss_mask[j].float()
-            aux[r, :n] = a_rows
-            fin[r, :n] = f_rows
-        return Batch(ids, mask, aux, fin, sum(self.lengths[j] for j in sample_ids))
+            if batch is None:
+                batch, slots = empty_batch([self.lengths[i] for i in sample_ids], packed_tokens, a_rows.shape[-1],
+                                           f_rows.shape[-1], a_rows.dtype, pin)
+            r, c = slots[k]
+            batch.input_ids[r, c:c + n] = self.input_ids[j]
+            batch.loss_mask[r, c:c + n] = self.loss_mask[j].float()
+            batch.aux_hidden[r, c:c + n] = a_rows
+            batch.final_hidden[r, c:c + n] = f_rows
+        return batch
 
 
 class TokenIndex(_Lengths):
@@ -171,13 +243,79 @@ class TokenIndex(_Lengths):
         return [Sample(self.input_ids[j], self.loss_mask[j], self.sample_index[j]) for j in sample_ids]
 
 
-def epoch_plan(lengths: Sequence[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_plan(lengths: Sequence[int], budget: int, seed: int, epoch: int, layout: Layout = "packed") -> list[list[int]]:
     """The batches (lists of sample ids) of one epoch; see the module docstring."""
     gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
     order = torch.randperm(len(lengths), generator=gen).tolist()
     batches: list[list[int]] = []
-    for c in range(0, len(order), CHUNK):
-        chunk = sorted(order[c:c + CHUNK])  # ascending ids: ties in length_batches break by id
-        batches += [[chunk[i] for i in b] for b in length_batches([lengths[j] for j in chunk], batch_tokens)]
+    if layout == "packed":
+        chunk: list[int] = []
+        tokens = 0
+        for j in order:
+            chunk.append(j)
+            tokens += lengths[j]
+            if tokens >= PACK_CHUNK_BATCHES * budget:
+                batches += pack_bins(chunk, lengths, budget)
+                chunk, tokens = [], 0
+        batches += pack_bins(chunk, lengths, budget)
+    elif layout == "padded":
+        for c in range(0, len(order), CHUNK):
+            chunk = sorted(order[c:c + CHUNK])  # ascending ids: ties in length_batches break by id
+            batches += [[chunk[i] for i in b] for b in length_batches([lengths[j] for j in chunk], budget)]
+    else:
+        raise ValueError(f"unknown batch layout {layout!r} (packed, padded)")
     perm = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in perm]
+
+
+def pack_bins(sample_ids: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Best-fit decreasing: the samples, longest first (ties by id), each into the fullest bin
+    with room for it, else a new bin of `budget` tokens. A sample longer than the budget gets a
+    bin of its own (the index cuts samples to the budget, so training never sees one)."""
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free tokens, bin), ascending
+    for j in sorted(sample_ids, key=lambda j: (-lengths[j], j)):
+        n = lengths[j]
+        k = bisect.bisect_left(room, (n, -1))
+        if k < len(room):
+            free, b = room.pop(k)
+            bins[b].append(j)
+        else:
+            free, b = budget, len(bins)
+            bins.append([j])
+        if free - n > 0:
+            bisect.insort(room, (free - n, b))
+    return bins
+
+
+def steps_of_plan(plan_len: int, per_step: int) -> int:
+    """Optimizer steps of one epoch: micro-batches per_step at a time, the last step of an epoch
+    takes what is left (steps never span two epochs, so `epochs: N` is N whole passes)."""
+    return -(-plan_len // per_step)
+
+
+class Loader:
+    """Builds batches on one background thread, in the order they are asked for, while the
+    device trains on the previous ones; every read of the shards goes through this one thread.
+    `ahead(ids)` queues a batch; `next()` returns the oldest queued one (its exception, if the
+    load failed); `now(ids)` loads one batch out of turn, after those already queued."""
+
+    def __init__(self, load: Callable[[Sequence[int]], Batch], device: torch.device):
+        self.load, self.device = load, device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-loader")
+        self.queue: deque[Future] = deque()
+
+    def ahead(self, ids: Sequence[int]) -> None:
+        self.queue.append(self.pool.submit(self.load, ids))
+
+    def next(self) -> Batch:
+        return self.queue.popleft().result().to(self.device)
+
+    def now(self, ids: Sequence[int]) -> Batch:
+        return self.pool.submit(self.load, ids).result().to(self.device)
+
+    def close(self) -> None:
+        for f in self.queue:
+            f.cancel()
+        self.queue.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -9,9 +9,13 @@ embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/best/             the drafter with the best held-out simulated tau (when heldout_samples > 0)
     train/drafter/          the final drafter (config.json + model.safetensors, draft.model.save_drafter)
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
-A step takes batch_tokens // micro_batch_tokens consecutive micro-batches of the epoch plan,
-dealt round-robin to the ranks; each micro-batch's loss is a fraction of the global batch's
-loss (ttt.ttt_loss weight_total), so 1 and N ranks take the same optimizer steps.
+A micro-batch is packed by default (train.batch_layout; train/data.py): whole samples end to
+end in one fixed [1, micro_batch_tokens] row, so every forward has the same shape. A step takes
+batch_tokens // micro_batch_tokens consecutive micro-batches of one epoch's plan (the last step
+of an epoch takes what is left: `epochs: N` is N whole passes), dealt round-robin to the ranks
+and read ahead on a background thread (data.Loader); each micro-batch's loss is a fraction of
+the global batch's loss (ttt.ttt_loss weight_total), so 1 and N ranks take the same optimizer
+steps. A step reads its figures from the device once.
 A rerun after a crash continues from `latest` and reproduces the uninterrupted run's losses
 at any world size: the batch plan is a function of (seed, epoch), the cursor and the AdamW
 state are checkpointed, and the learning rate is a function of the step.
@@ -51,7 +55,7 @@ from ..draft.model import Eagle3Drafter, save_drafter
 from ..target.model import Target, load_target, resolve_dtype
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
-from .data import CaptureIndex, TokenIndex, epoch_plan
+from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize
 from .flops import peak_flops, train_flops_per_token
 from .ttt import TTTLoss, position_weights, simulated_tau
@@ -71,11 +75,17 @@ def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_rati
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def total_steps_of(recipe: Recipe, epoch_tokens: int) -> int:
+def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
+    """max_steps, else the steps of `epochs` whole passes: each epoch's steps counted from its
+    own plan (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
     tc = recipe.train
     if tc.max_steps is not None:
         return int(tc.max_steps)
-    return max(1, math.ceil(tc.epochs * epoch_tokens / tc.batch_tokens))
+    whole = int(tc.epochs)
+    steps = sum(steps_of_plan(plan_len(e), micro_per_step) for e in range(whole))
+    if tc.epochs > whole:
+        steps += math.ceil((tc.epochs - whole) * steps_of_plan(plan_len(whole), micro_per_step))
+    return max(1, steps)
 
 
 def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
@@ -270,10 +280,14 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # -- data ------------------------------------------------------------------------------
     # Online: the same samples, cuts and order as a CaptureIndex over the capture of these token
     # shards, so the batch plans below are the same; only where the hidden states come from differs.
+    # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
+    packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
+    max_length = min(tc.max_length, micro_tokens) if packed_tokens else tc.max_length
+    pin = device.type == "cuda"
     if tc.online:
         from ..target.online import online_batch
 
-        index = TokenIndex(shard_paths, tc.max_length)
+        index = TokenIndex(shard_paths, max_length)
         top, where = index.max_token_id()
         if top >= target.vocab_size:
             si, j, _ = index.entries[where]
@@ -282,21 +296,43 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                   f"`draftsmith {src_stage} --force`")
         storage, fwd_tokens = recipe.capture.storage_dtype, recipe.capture.batch_tokens
 
-        def next_batch(sample_ids):
-            return online_batch(target, index.samples(sample_ids), storage, fwd_tokens)
+        def load_batch(sample_ids):
+            b = online_batch(target, index.samples(sample_ids), storage, fwd_tokens, packed_tokens)
+            return b.pin_memory() if pin and b.input_ids.device.type == "cpu" else b
     else:
-        index = CaptureIndex(shard_paths, tc.max_length, hidden, len(aux_layer_ids))
-        next_batch = index.batch
+        index = CaptureIndex(shard_paths, max_length, hidden, len(aux_layer_ids))
+
+        def load_batch(sample_ids):
+            return index.batch(sample_ids, packed_tokens, pin)
     if len(index) == 0:
         raise DraftsmithError(f"{src_dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
                               f"({index.dropped} dropped); check prepare's loss masks and max_length")
     train_ids, heldout_ids = heldout_split(len(index), tc.heldout_samples, recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
     sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
-    total_steps = total_steps_of(recipe, sum(train_lengths))
 
     def plan_of(epoch: int) -> list[list[int]]:
-        return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch)]
+        return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch, tc.batch_layout)]
+
+    total_steps = total_steps_of(recipe, lambda e: len(plan_of(e)), micro_per_step)
+
+    def schedule(epoch: int, position: int):
+        """(epoch, position after the step, the step's micro-batches) of each step from the cursor
+        on; a step takes micro_per_step micro-batches of one epoch's plan (fewer at its end)."""
+        plan = plan_of(epoch)
+        while True:
+            if position >= len(plan):
+                epoch, position = epoch + 1, 0
+                plan = plan_of(epoch)
+            micro_ids = plan[position:position + micro_per_step]
+            position += len(micro_ids)
+            yield epoch, position, micro_ids
+
+    def my_slots(micro_ids: list[list[int]]) -> list[list[int] | None]:
+        """This rank's micro-batches of a step (round-robin); a rank left short at an epoch's end
+        pads with None (a forward and backward at weight 0: FSDP needs every rank's collectives)."""
+        mine = micro_ids[info.rank::info.world_size]
+        return mine + [None] * (-(-len(micro_ids) // info.world_size) - len(mine))
 
     # -- resume ----------------------------------------------------------------------------
     step, epoch, position, skipped, in_a_row, best_tau = 0, 0, 0, 0, 0, None
@@ -325,6 +361,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         eval_path.unlink(missing_ok=True)
     barrier(info)
     plan = plan_of(epoch)
+    fill = sum(train_lengths) / max(1, len(plan) * micro_tokens) if packed_tokens else None
     mean_context = sum(n * (n + 1) / 2 for n in train_lengths) / max(1, sum(train_lengths))
     flops_per_token = train_flops_per_token(cfg, k, mean_context)
     peak = peak_flops(device, tc.peak_tflops)
@@ -332,7 +369,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
             f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out), {sum(train_lengths)} tokens/epoch, "
             f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
-            f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}"
+            + (f"packed [1, {micro_tokens}] ({100 * fill:.1f}% real tokens), " if packed_tokens else "padded, ")
+            + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}"
             + (f"; online: target forward on {target.device} ({str(target.dtype).replace('torch.', '')}), states rounded to "
                f"{recipe.capture.storage_dtype}, read from {src_dir}" if tc.online else ""))
 
@@ -357,15 +395,17 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     def evaluate_heldout() -> dict:
         """Loss, acc per position and simulated tau on the held-out samples, over all ranks.
         Every rank runs the same number of forwards (FSDP collectives); spare ones count 0."""
-        batches = [[heldout_ids[j] for j in b] for b in epoch_plan([index.lengths[j] for j in heldout_ids], micro_tokens, recipe.seed, 0)]
-        wt = sample_weights[heldout_ids].sum(0)
+        batches = [[heldout_ids[j] for j in b]
+                   for b in epoch_plan([index.lengths[j] for j in heldout_ids], micro_tokens, recipe.seed, 0, tc.batch_layout)]
+        wt = sample_weights[heldout_ids].sum(0).to(device)
         sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
         with torch.no_grad():
             for r in range(math.ceil(len(batches) / info.world_size)):
                 j = r * info.world_size + info.rank
-                batch = next_batch(batches[j if j < len(batches) else 0]).to(device)
+                batch = loader.now(batches[j if j < len(batches) else 0])
+                ids, mask, aux, fin, pos, docs = batch.tensors()
                 with autocast:
-                    out = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden, head_weight, wt)
+                    out = model(ids, mask, aux, fin, head_weight, wt, pos, docs)
                 if j < len(batches):
                     sums += torch.cat([out[0].detach().reshape(1), *out[1:]]).double()
         if is_sharded(model):  # FSDP keeps the root's parameters gathered after a forward with no backward;
@@ -375,17 +415,21 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
         return {"step": step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
 
+    # The loader reads (or, online, computes) the micro-batches of the next step on a background
+    # thread while this one trains: `queued` holds the steps whose batches it has been given.
+    loader = Loader(load_batch, device)
+    steps_ahead = schedule(epoch, position)
+    queued: deque = deque()
     try:
         while step < total_steps:
-            micro_ids = []
-            for _ in range(micro_per_step):
-                if position >= len(plan):
-                    epoch, position = epoch + 1, 0
-                    plan = plan_of(epoch)
-                micro_ids.append(plan[position])
-                position += 1
-            mine = micro_ids[info.rank::info.world_size]
+            while len(queued) < 2 and step + len(queued) < total_steps:
+                queued.append(next(steps_ahead))
+                for ids in my_slots(queued[-1][2]):
+                    loader.ahead(queued[-1][2][0] if ids is None else ids)
+            epoch, position, micro_ids = queued.popleft()
+            slots = my_slots(micro_ids)
             weight_total = sample_weights[[j for b in micro_ids for j in b]].sum(0)
+            weight_total = (weight_total.pin_memory() if pin else weight_total).to(device, non_blocking=True)
             step_tokens = sum(index.lengths[j] for b in micro_ids for j in b)
             step += 1
             lr = lr_at(step, total_steps, tc.lr, tc.warmup_steps, tc.min_lr_ratio)
@@ -393,19 +437,22 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 group["lr"] = lr
 
             sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
-            for mi, ids in enumerate(mine):
-                batch = next_batch(ids).to(device)
+            for mi, ids in enumerate(slots):
+                ids_t, mask_t, aux_t, fin_t, pos_t, docs_t = loader.next().tensors()
                 if is_sharded(model):  # reduce-scatter gradients once, after the last micro-batch
-                    model.set_requires_gradient_sync(mi == len(mine) - 1)
+                    model.set_requires_gradient_sync(mi == len(slots) - 1)
                 with autocast:
-                    loss, ce, correct, weight = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden,
-                                                      head_weight, weight_total)
+                    out = model(ids_t, mask_t, aux_t, fin_t, head_weight, weight_total, pos_t, docs_t)
+                if ids is None:  # a rank's padding slot at an epoch's end: weight 0
+                    out = tuple(t * 0 for t in out)
+                loss, ce, correct, weight = out
                 # FSDP averages gradients over ranks; the micro losses are already fractions of the global one.
                 (loss * info.world_size).backward()
                 sums += torch.cat([loss.detach().reshape(1), ce, correct, weight]).double()
             all_reduce_sum(sums, info)
-            loss = float(sums[0])
-            grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))))
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")))
+            stats = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)]).tolist()  # the step's one read from the device
+            loss, grad_norm = stats[0], stats[-1]
             ok = math.isfinite(loss) and math.isfinite(grad_norm)
             if ok:
                 opt.step()
@@ -423,7 +470,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     raise DraftsmithError(f"{index.paths[si]}: {in_a_row} training steps in a row had a non-finite loss or gradient "
                                           f"(last at step {step}); {fix} or lower train.lr")
 
-            ce, correct, weight = sums[1:1 + k].tolist(), sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
+            ce, correct, weight = stats[1:1 + k], stats[1 + k:1 + 2 * k], stats[1 + 2 * k:1 + 3 * k]
             rec = {"step": step, "loss": loss, "ce": ce, "correct": correct, "weight": weight,
                    "acc": [c / w if w else 0.0 for c, w in zip(correct, weight)], "lr": lr, "grad_norm": grad_norm,
                    "tokens": step_tokens, "epoch": epoch, "skipped": not ok}
@@ -484,6 +531,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 if main:
                     write_manifest(out_dir, manifest)
     finally:
+        loader.close()
         if main:
             metrics_file.close()
             eval_file.close()
@@ -504,7 +552,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     manifest["world_size"] = info.world_size
     manifest["counts"] = {"steps": step, "skipped_nonfinite": skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
                           "samples_dropped": index.dropped, "tokens_per_epoch": sum(train_lengths),
-                          "batches_per_epoch": len(plan), "micro_batches_per_step": micro_per_step, "epochs_started": epoch + 1}
+                          "batches_per_epoch": len(plan_of(epoch)), "micro_batches_per_step": micro_per_step, "epochs_started": epoch + 1,
+                          "batch_layout": tc.batch_layout, "micro_batch_tokens": micro_tokens}
     tokens_per_s = tokens_session / wall if wall > 0 and step > start_step else None
     manifest["metrics"] = {"loss": w["loss"], "acc_per_position": w["acc"], "tau_simulated": w["tau"],
                            "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),

@@ -50,23 +50,32 @@ def position_weights(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
 
 def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
              final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float,
-             weight_total: Optional[torch.Tensor] = None, attention: str = "auto") -> TTTOutput:
-    """The TTT loss of a right-padded batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
-    final_hidden [B, L, H]. Padding needs token 0, mask 0: padded rows come after the real ones,
-    so causal attention keeps them out of every real row. `weight_total` [steps]: the denominators
-    of CE_i (default: this batch's own position weights)."""
+             weight_total: Optional[torch.Tensor] = None, attention: str = "auto",
+             position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> TTTOutput:
+    """The TTT loss of a batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
+    final_hidden [B, L, H]. Padded batches (doc_ids None): one sample per row from position 0,
+    padding (token 0, mask 0) after it, so causal attention keeps it out of every real row.
+    Packed batches: doc_ids [B, L] the sample of each row (non-decreasing; padding is a sample of
+    its own), position_ids [B, L] restarting at 0 per sample; attention stays within a sample
+    (TTTMask) and a row whose label t+2+i lies in another sample has weight 0, as past the end
+    of a padded sample, so a packed batch gives the loss of its samples padded.
+    `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights)."""
+    from ..draft.ttt_attention import TTTMask
+
     B, L = input_ids.shape
     dev = input_ids.device
     probs, target_argmax = target_distribution(final_hidden, head_weight)
     ids_ext = F.pad(input_ids, (0, steps + 1))
     mask_ext = F.pad(loss_mask.float(), (0, 1))
-    positions = torch.arange(L, device=dev)[None].expand(B, L)
+    positions = torch.arange(L, device=dev)[None].expand(B, L) if position_ids is None else position_ids
+    attn_mask = TTTMask(doc_ids)
+    doc_ext = None if doc_ids is None else F.pad(doc_ids, (0, 1), value=-1)
     hidden = model.project(aux_hidden)
     cache: list = []
     loss = torch.zeros((), device=dev)
     ce_all, correct_all, weight_all = [], [], []
     for i in range(steps):
-        g = model.ttt_step(ids_ext[:, 1 + i:1 + i + L], hidden, positions + i, cache, attention)
+        g = model.ttt_step(ids_ext[:, 1 + i:1 + i + L], hidden, positions + i, cache, attention, attn_mask)
         hidden = g
         rows = L - 1 - i  # rows t whose target position t+1+i exists
         if rows <= 0:  # batch shorter than the unroll: nothing left to predict
@@ -75,6 +84,8 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
             continue
         logp = model.logits(g[:, :rows]).float().log_softmax(-1)
         w = mask_ext[:, 2 + i:2 + i + rows]
+        if doc_ext is not None:  # the label t+2+i must be in row t's sample
+            w = w * (doc_ext[:, 2 + i:2 + i + rows] == doc_ids[:, :rows])
         ce = -(probs[:, 1 + i:1 + i + rows] * logp).sum(-1)
         wsum = w.sum()
         denom = wsum if weight_total is None else weight_total[i].to(device=dev, dtype=wsum.dtype)
@@ -96,9 +107,9 @@ class TTTLoss(torch.nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
 
-    def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total):
+    def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total, position_ids=None, doc_ids=None):
         out = ttt_loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
-                       self.steps, self.decay, weight_total, self.attention)
+                       self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids)
         return out.loss, out.ce, out.correct, out.weight
 
 
