@@ -1,15 +1,28 @@
-"""Drafter training throughput on synthetic data: tokens/s, MFU and peak memory per (hidden,
-sequence), and the longest sequence a Kimi-K2-shaped drafter trains at on one device.
+"""Drafter training throughput: tokens/s, MFU and peak memory.
 
-    python benchmarks/bench_train.py --out benchmarks/results/h200.json     # on the GPU
+Two modes:
+    synthetic (default)  per (hidden, sequence): one random sample of `seq` tokens per step, and
+                         the longest sequence a Kimi-K2-shaped drafter trains at on one device
+    real (--capture)     the train stage's own data path on a capture directory: its CaptureIndex,
+                         epoch plans and packed (or padded) micro-batches read by the background
+                         Loader, TTTLoss, clip and AdamW as in train/loop.py; a fixed number of
+                         steps after warm-up, each timed on its own (tokens/s = real tokens, not
+                         padding; median over steps, with the step-time spread max/min so swings
+                         show) and the compile counters of torch._dynamo (graphs, recompiles)
+
+    python benchmarks/bench_train.py --out benchmarks/results/h200.json     # synthetic, on the GPU
     OMP_NUM_THREADS=1 python benchmarks/bench_train.py --smoke              # tiny shapes on CPU
+    python benchmarks/bench_train.py --capture RUN/capture --vocab RUN/vocab --out real.json
 
-One optimizer step = forward + backward of the TTT loss (k steps, train.ttt.TTTLoss, the
-module the train stage runs) over one sample of `seq` tokens, clip, AdamW; bf16 autocast
+One optimizer step (synthetic) = forward + backward of the TTT loss (k steps, train.ttt.TTTLoss,
+the module the train stage runs) over one sample of `seq` tokens, clip, AdamW; bf16 autocast
 with float32 master weights on CUDA. MFU = tokens/s * train.flops.train_flops_per_token /
 peak FLOP/s (train.flops.PEAK_BF16_TFLOPS or --peak-tflops). JSON keys: train_mfu_h2048 and
 train_tokens_per_s_h2048 (best sequence length at hidden 2048), kimi_max_seq_len (the longest
 sequence that trained; kimi_stopped says why the probe stopped: out of memory or --budget-s), runs[].
+Real mode: train_mfu_real_h{H} and train_tokens_per_s_real_h{H} (medians), the spread, the
+per-step times (step_s). The drafter's shape comes from the target (draft.build.drafter_config,
+default DraftConfig), the target from --target or the run's recipe.yaml.
 """
 from __future__ import annotations
 
@@ -83,6 +96,116 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def measure_real(a, device: torch.device, peak: float | None) -> dict:
+    """Train on a capture directory the way train/loop.py does; see the module docstring."""
+    import statistics
+
+    import torch._dynamo
+    import yaml
+    from torch._dynamo.utils import counters
+
+    from draftsmith.artifacts import require_complete, verify_shards
+    from draftsmith.config import DraftConfig
+    from draftsmith.draft.build import drafter_config, init_drafter, read_target_embeddings
+    from draftsmith.train.data import CaptureIndex, Loader, epoch_plan
+    from draftsmith.train.loop import ADAM_BETAS, micro_batching
+    from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
+
+    capture_dir, vocab_dir = Path(a.capture), Path(a.vocab)
+    cap_m = require_complete(capture_dir, "capture")
+    target_path = a.target or yaml.safe_load((capture_dir.parent / "recipe.yaml").read_text())["target"]["path"]
+    embed, lm_head, tcfg = read_target_embeddings(target_path)
+    d2t, t2d = load_vocab(vocab_dir / VOCAB_FILE)
+    aux_ids = list(cap_m["aux_layer_ids"])
+    cfg = drafter_config(tcfg, DraftConfig(), d2t.numel(), aux_ids)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k = a.ttt_steps
+    model = TTTLoss(init_drafter(cfg, embed, d2t, t2d, seed=0).to(device), k, 0.8, a.attention)
+    head = lm_head[draft_ids(d2t)].to(device=device, dtype=dtype)
+    del embed, lm_head
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=ADAM_BETAS, eps=1e-8)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+    micro, per_step = micro_batching(a.batch_tokens, a.micro_batch_tokens, 1)
+    packed = micro if a.layout == "packed" else None
+    max_length = min(a.max_length, micro) if packed else a.max_length
+    index = CaptureIndex(verify_shards(capture_dir, cap_m, check_hash=False), max_length, cfg.target_hidden_size, len(aux_ids))
+    weights = torch.stack([position_weights(m, k) for m in index.loss_mask])
+    lengths = index.lengths
+    pin = device.type == "cuda"
+    loader = Loader(lambda ids: index.batch(ids, packed, pin), device)
+    total = a.warmup + a.steps
+
+    def steps():  # the loop's schedule: a step's micro-batches from one epoch's plan
+        epoch = 0
+        while True:
+            plan = epoch_plan(lengths, micro, 0, epoch, a.layout)
+            for i in range(0, len(plan), per_step):
+                yield plan[i:i + per_step]
+            epoch += 1
+
+    schedule = steps()
+    queued = []
+    for _ in range(min(2, total)):
+        queued.append(next(schedule))
+        for ids in queued[-1]:
+            loader.ahead(ids)
+    torch._dynamo.reset()
+    counters.clear()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, tokens, slots, graphs_after_warmup = [], [], [], None
+    try:
+        for step in range(total):
+            micro_ids = queued.pop(0)
+            if step + len(queued) + 1 < total:
+                queued.append(next(schedule))
+                for ids in queued[-1]:
+                    loader.ahead(ids)
+            t0 = time.perf_counter()
+            wt = weights[[j for b in micro_ids for j in b]].sum(0)
+            wt = (wt.pin_memory() if pin else wt).to(device, non_blocking=True)
+            for ids in micro_ids:
+                batch = loader.next()
+                with autocast:
+                    out = model(batch.input_ids, batch.loss_mask, batch.aux_hidden, batch.final_hidden, head, wt,
+                                batch.position_ids, batch.doc_ids)
+                out[0].backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step >= a.warmup:
+                times.append(time.perf_counter() - t0)
+                tokens.append(sum(lengths[j] for b in micro_ids for j in b))
+                slots.append(len(micro_ids) * micro if packed else sum(len(b) * max(lengths[j] for j in b) for b in micro_ids))
+            elif step == a.warmup - 1:
+                graphs_after_warmup = int(counters["stats"]["unique_graphs"])
+    finally:
+        loader.close()
+    tps = [n / t for n, t in zip(tokens, times)]
+    mean_context = sum(n * (n + 1) / 2 for n in lengths) / max(1, sum(lengths))
+    fpt = train_flops_per_token(cfg, k, mean_context)
+    med = statistics.median(tps)
+    return {"capture": str(capture_dir), "target": str(target_path), "hidden": cfg.hidden_size,
+            "drafter": {"heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                        "intermediate": cfg.intermediate_size, "draft_vocab": cfg.draft_vocab_size, "target_vocab": cfg.vocab_size,
+                        "params_trainable": sum(p.numel() for p in params)},
+            "samples": len(lengths), "tokens_per_epoch": sum(lengths), "mean_sample_length": round(sum(lengths) / len(lengths), 1),
+            "layout": a.layout, "micro_batch_tokens": micro, "micro_batches_per_step": per_step, "attention": a.attention,
+            "ttt_steps": k, "warmup_steps": a.warmup, "steps": a.steps,
+            "tokens_per_s": round(med, 1), "tokens_per_s_min": round(min(tps), 1), "tokens_per_s_max": round(max(tps), 1),
+            "step_s_median": round(statistics.median(times), 4), "step_s_spread": round(max(times) / min(times), 3),
+            "real_token_fraction": round(sum(tokens) / sum(slots), 4), "train_flops_per_token": fpt,
+            "mfu": round(med * fpt / peak, 4) if peak else None,
+            "compiled_graphs_after_warmup": graphs_after_warmup, "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "recompiles": int(sum(counters["recompiles"].values())) if counters["recompiles"] else 0,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+            "step_s": [round(t, 4) for t in times]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the figures)")
@@ -95,10 +218,30 @@ def main() -> None:
                     help="drafter hidden sizes of the sweep (default 1024 2048 4096; none: only the Kimi probe)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new Kimi-shaped run after this many seconds (the result says where it stopped)")
+    real = ap.add_argument_group("real mode (train on a capture directory)")
+    real.add_argument("--capture", default=None, help="RUN_DIR/capture: train on it instead of the synthetic sweep")
+    real.add_argument("--vocab", default=None, help="RUN_DIR/vocab (default: beside --capture)")
+    real.add_argument("--target", default=None, help="the target folder (embedding, lm_head, config); default: the run's recipe.yaml")
+    real.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    real.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, allocator)")
+    real.add_argument("--batch-tokens", type=int, default=65536)
+    real.add_argument("--micro-batch-tokens", type=int, default=16384)
+    real.add_argument("--max-length", type=int, default=2048)
+    real.add_argument("--layout", default="packed", choices=["packed", "padded"])
     a = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     peak = peak_flops(device, a.peak_tflops)
+    if a.capture:
+        a.vocab = a.vocab or str(Path(a.capture).parent / "vocab")
+        r = measure_real(a, device, peak)
+        r.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", torch=torch.__version__,
+                 peak_flops=peak, **{f"train_mfu_real_h{r['hidden']}": r["mfu"], f"train_tokens_per_s_real_h{r['hidden']}": r["tokens_per_s"]})
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(Path(a.out), r)
+        print(json.dumps({k: v for k, v in r.items() if k != "step_s"}, indent=2))
+        return
     if a.smoke:
         hiddens, seqs, vocab, draft_vocab, kimi = [64, 128], [64, 128], 512, 256, (256, 4, 4, 64, 512, 2048, 1024)
         kimi_seqs, iters, warmup = [128, 256], 1, 1

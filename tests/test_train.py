@@ -239,3 +239,27 @@ def test_bench_train_smoke_probes_the_kimi_shape(tmp_path):
     assert [x["hidden"] for x in r["runs"]] == [64, 64]
     assert [x["hidden"] for x in r["kimi_runs"]] == [r["kimi_shape"]["hidden"]] * 2 == [256, 256]
     assert r["kimi_max_seq_len"] == 256 and r["kimi_stopped"] is None
+
+
+def test_bench_train_real_mode_on_a_capture(tmp_path, target_dir):
+    """benchmarks/bench_train.py --capture: the train stage's data path on a capture directory,
+    a fixed number of timed steps after warm-up; real-token throughput, per-step times, spread."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    samples = toy_samples(target_dir)
+    _, run_dir = make_run(tmp_path, target_dir, samples)
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    subprocess.run([sys.executable, str(root / "benchmarks/bench_train.py"), "--capture", str(run_dir / "capture"),
+                    "--target", str(target_dir), "--ttt-steps", "3", "--batch-tokens", "128", "--micro-batch-tokens", "64",
+                    "--max-length", "32", "--warmup", "1", "--steps", "3", "--out", str(out)],
+                   env=env, check=True, capture_output=True, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["hidden"] == 64 and r["layout"] == "packed" and r["micro_batches_per_step"] == 2 and len(r["step_s"]) == 3
+    assert r["samples"] == len(samples) and r["tokens_per_epoch"] == sum(len(s) for s in samples)
+    assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] and r["step_s_spread"] >= 1
+    assert 0.5 < r["real_token_fraction"] <= 1 and r["train_tokens_per_s_real_h64"] == r["tokens_per_s"]
+    assert r["recompiles"] == 0 and r["mfu"] is None  # CPU: no peak FLOP/s

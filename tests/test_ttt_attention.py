@@ -123,8 +123,8 @@ def packed_inputs(steps, nh=4, nkv=2, hd=8, dtype=torch.float64):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_packed_equals_each_sample_alone(impl, steps, dtype, monkeypatch):
     """Document-masked attention over a packed row gives each sample's own (unpacked) result,
-    outputs and gradients, for every kernel; 9-row query blocks make the chunked kernel start its
-    keys mid-row (at a document start)."""
+    outputs and gradients, for every kernel (chunked step 0: causal attention per sample); 9-row
+    query blocks make the chunked kernel start its keys mid-row (at a document start)."""
     monkeypatch.setattr(ta, "CHUNK_SCORES", 4 * PACKED * 9)
     q, ks, vs = packed_inputs(steps, dtype=dtype)
     scale = 8 ** -0.5
@@ -141,6 +141,18 @@ def test_packed_equals_each_sample_alone(impl, steps, dtype, monkeypatch):
         for a, b in zip(g, gs):
             torch.testing.assert_close(a[:, :, c:c + n], b, **tol)
         c += n
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_chunked_kernel_with_documents_gradcheck(steps, monkeypatch):
+    """The chunked kernel itself with document ids on two packed rows (a one-row step 0 takes
+    causal attention per sample instead): 3-row query blocks, gradcheck and the reference."""
+    monkeypatch.setattr(ta, "CHUNK_SCORES", 2 * 2 * 9 * 3)
+    q, ks, vs = inputs(B=2, nh=2, nkv=1, L=9, hd=4, steps=steps)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3, 3]])
+    fn = lambda q, *kv: ta.ttt_attention(q, list(kv[:steps]), list(kv[steps:]), 0.5, "chunked", ta.TTTMask(docs))  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, *ks, *vs))
+    torch.testing.assert_close(fn(q, *ks, *vs), ta.ttt_attention_reference(q, ks, vs, 0.5, docs), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("steps", [1, 3])

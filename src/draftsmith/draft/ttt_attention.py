@@ -16,8 +16,9 @@ so only the step-0 part needs the document ids. Three implementations, same resu
                blocks, no per-element mask evaluation); the compiled kernel depends only on the
                shapes, so a fixed-shape packed batch compiles once per TTT step, not per batch
 
-Step 0 (plain causal attention, no document ids) uses F.scaled_dot_product_attention in
-chunked/flex modes. All take q [B, nh, L, hd] and the per-step keys/values ks, vs: lists of
+Step 0 is plain causal attention: F.scaled_dot_product_attention in chunked/flex modes without
+document ids; with them flex uses its block mask and chunked one causal SDPA call per sample of
+a one-row (packed) batch. All take q [B, nh, L, hd] and the per-step keys/values ks, vs: lists of
 [B, nkv, L, hd] (step 0 first) and return [B, nh, L, hd].
 """
 from __future__ import annotations
@@ -57,6 +58,12 @@ class TTTMask:
             self._key_starts = starts.amin(0).tolist()
         return self._key_starts
 
+    def documents(self) -> list[tuple[int, int]]:
+        """(first row, end row) of each document of a one-row batch (host list, read once)."""
+        starts = self.key_starts()
+        cuts = [t for t in range(1, len(starts)) if starts[t] == t] + [len(starts)]
+        return list(zip([0] + cuts[:-1], cuts))
+
     def flex_block_mask(self, steps: int, B: int, L: int, device: torch.device):
         if steps not in self._flex:
             docs = torch.zeros(B, L, dtype=torch.int32, device=device) if self.docs is None else self.docs.to(torch.int32)
@@ -88,10 +95,14 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
         return ttt_attention_flex(q, ks, vs, scale, mask=mask)
     if impl == "chunked":
         B, _, L, hd = q.shape
+        if len(ks) == 1 and B == 1:  # step 0 of a packed row: causal attention per sample, a fused kernel each
+            return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], _repeat_kv(ks[0][:, :, a:b], n_rep),
+                                                             _repeat_kv(vs[0][:, :, a:b], n_rep), is_causal=True, scale=scale)
+                              for a, b in mask.documents()], dim=2)
         if len(ks) > 1:
             kd = torch.stack([_repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
             vd = torch.stack([_repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
-        else:  # step 0 of a packed batch: no diagonal keys
+        else:  # step 0 of a packed batch of several rows: no diagonal keys
             kd = vd = q.new_zeros(B, q.shape[1], L, 0, hd)
         starts = None if mask.docs is None else mask.key_starts()
         return _ChunkedTTTAttention.apply(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), kd, vd, scale, mask.docs, starts)
