@@ -108,7 +108,7 @@ def measure_real(a, device: torch.device, peak: float | None) -> dict:
     from draftsmith.config import DraftConfig
     from draftsmith.draft.build import drafter_config, init_drafter, read_target_embeddings
     from draftsmith.train.data import CaptureIndex, Loader, epoch_plan
-    from draftsmith.train.loop import ADAM_BETAS, micro_batching
+    from draftsmith.train.loop import ADAM_BETAS, compile_loss, micro_batching
     from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
 
     capture_dir, vocab_dir = Path(a.capture), Path(a.vocab)
@@ -120,7 +120,8 @@ def measure_real(a, device: torch.device, peak: float | None) -> dict:
     cfg = drafter_config(tcfg, DraftConfig(), d2t.numel(), aux_ids)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k = a.ttt_steps
-    model = TTTLoss(init_drafter(cfg, embed, d2t, t2d, seed=0).to(device), k, 0.8, a.attention)
+    compiled = compile_loss(a.compile, device, a.layout, a.attention)
+    model = TTTLoss(init_drafter(cfg, embed, d2t, t2d, seed=0).to(device), k, 0.8, a.attention, "inductor" if compiled else None)
     head = lm_head[draft_ids(d2t)].to(device=device, dtype=dtype)
     del embed, lm_head
     params = [p for p in model.parameters() if p.requires_grad]
@@ -194,7 +195,7 @@ def measure_real(a, device: torch.device, peak: float | None) -> dict:
                         "intermediate": cfg.intermediate_size, "draft_vocab": cfg.draft_vocab_size, "target_vocab": cfg.vocab_size,
                         "params_trainable": sum(p.numel() for p in params)},
             "samples": len(lengths), "tokens_per_epoch": sum(lengths), "mean_sample_length": round(sum(lengths) / len(lengths), 1),
-            "layout": a.layout, "micro_batch_tokens": micro, "micro_batches_per_step": per_step, "attention": a.attention,
+            "layout": a.layout, "compiled": compiled, "micro_batch_tokens": micro, "micro_batches_per_step": per_step, "attention": a.attention,
             "ttt_steps": k, "warmup_steps": a.warmup, "steps": a.steps,
             "tokens_per_s": round(med, 1), "tokens_per_s_min": round(min(tps), 1), "tokens_per_s_max": round(max(tps), 1),
             "step_s_median": round(statistics.median(times), 4), "step_s_spread": round(max(times) / min(times), 3),
@@ -228,6 +229,7 @@ def main() -> None:
     real.add_argument("--micro-batch-tokens", type=int, default=16384)
     real.add_argument("--max-length", type=int, default=2048)
     real.add_argument("--layout", default="packed", choices=["packed", "padded"])
+    real.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="train.compile (auto: CUDA + packed + flex)")
     a = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")

@@ -255,3 +255,50 @@ def test_compiled_flex_on_cuda_packed_equals_each_sample_alone():
     torch.testing.assert_close(o[:, :, :n].float(), ref_o[:, :, :n].float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "flex"])
+def test_compiled_ttt_loss_traces_once_and_matches_eager(impl):
+    """TTTLoss with compile_backend: the whole unrolled loss is one graph (no graph break, the
+    rotary tables and the batch's TTTMask prepared eagerly), traced once for the fixed packed
+    shape whatever the samples in it, and gives the eager loss (and, reference attention, the
+    eager gradients; flex on CPU: forward only). aot_eager traces what inductor would compile."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from draftsmith.data.shards import Sample
+    from draftsmith.train.data import collate
+    from draftsmith.train.ttt import TTTLoss, position_weights
+
+    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=50, draft_vocab_size=20, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    eager, compiled = TTTLoss(drafter, 2, 0.8, impl), TTTLoss(drafter, 2, 0.8, impl, compile_backend="aot_eager")
+    head = torch.randn(20, 32)
+    g = torch.Generator().manual_seed(5)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for lengths in ([19, 3, 11, 26], [64], [5, 5, 5, 5, 5]):
+        samples = [Sample(torch.randint(0, 50, (n,), generator=g), torch.rand(n, generator=g) < 0.7, 0,
+                          torch.randn(n, 96, generator=g), torch.randn(n, 32, generator=g)) for n in lengths]
+        b = collate(samples, 64)
+        wt = torch.stack([position_weights(s.loss_mask, 2) for s in samples]).sum(0)
+        results = []
+        for model in (eager, compiled):
+            drafter.zero_grad()
+            with torch.set_grad_enabled(impl == "reference"):
+                out = model(b.input_ids, b.loss_mask, b.aux_hidden, b.final_hidden, head, wt, b.position_ids, b.doc_ids)
+                if impl == "reference":
+                    out[0].backward()
+            results.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+        (out_e, grad_e), (out_c, grad_c) = results
+        for a, c in zip(out_e, out_c):
+            torch.testing.assert_close(c.detach(), a.detach(), rtol=1e-5, atol=1e-5)
+        assert grad_e.keys() == grad_c.keys() and (impl == "flex" or grad_e)
+        for n in grad_e:
+            torch.testing.assert_close(grad_c[n], grad_e[n], rtol=1e-5, atol=1e-6, msg=n)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1] >= 1 and not counters["recompiles"], (graphs, dict(counters["recompiles"]))
+    assert not counters["graph_break"], list(counters["graph_break"])[:1]

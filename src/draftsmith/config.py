@@ -173,6 +173,12 @@ class TrainConfig:
     attention: Literal["auto", "chunked", "flex", "reference"] = "auto"
     """TTT attention kernel: auto = compiled flex attention on CUDA, a memory-lean chunked
     kernel elsewhere; reference = naive [L, L+i] scores (tests)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the TTT loss (its unrolled steps as one graph: norms, rotary, SwiGLU and the
+    draft-vocab softmax fused, flex attention inside; train.ttt.TTTLoss). auto: on with CUDA,
+    packed batches and flex attention (fixed shapes: one compile, paid in the first steps); off
+    otherwise (the chunked kernel does not trace, padded shapes would recompile, and compiling
+    on a CPU takes minutes)."""
     heldout_samples: int = 0
     """Capture samples held out of training for evaluation (simulated acceptance length)."""
     eval_every: int = 0

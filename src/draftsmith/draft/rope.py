@@ -63,11 +63,23 @@ def _inv_freq_on(head_dim: int, theta: float, scaling_json: str, max_position_em
     return inv_freq.to(device), scale
 
 
+_TABLES: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
 def rope_cos_sin(position_ids: torch.Tensor, cfg, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, T, head_dim] (HF 'rotate_half' layout) for integer positions [B, T] and an
-    Eagle3Config (head_dim, rope_theta, rope_scaling, max_position_embeddings)."""
-    inv_freq, scale = _inv_freq_on(int(cfg.head_dim), float(cfg.rope_theta), json.dumps(cfg.rope_scaling or None, sort_keys=True),
-                                   int(cfg.max_position_embeddings), str(position_ids.device))
+    Eagle3Config (head_dim, rope_theta, rope_scaling, max_position_embeddings).
+
+    The (inv_freq, scale) of a config and device are looked up in a dict by a key torch.compile
+    can trace (a compiled TTT loss then reads them as constants); the first lookup fills it from
+    transformers' rope init (which does not trace: call once eagerly before compiling)."""
+    scaling = cfg.rope_scaling
+    key = (int(cfg.head_dim), float(cfg.rope_theta), tuple(sorted((k, str(v)) for k, v in scaling.items())) if scaling else None,
+           int(cfg.max_position_embeddings), str(position_ids.device))
+    if key not in _TABLES:
+        _TABLES[key] = _inv_freq_on(int(cfg.head_dim), float(cfg.rope_theta), json.dumps(scaling or None, sort_keys=True),
+                                    int(cfg.max_position_embeddings), str(position_ids.device))
+    inv_freq, scale = _TABLES[key]
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

@@ -47,6 +47,16 @@ class TTTMask:
         self._flex: dict[int, object] = {}
         self._key_starts: Optional[list[int]] = None
 
+    def prepare(self, impl: str, steps: int, B: int, L: int, device: torch.device) -> "TTTMask":
+        """Build now what kernel `impl` will ask for over `steps` TTT steps, so that a compiled
+        loss finds it ready (block masks are built eagerly and passed in, as flex expects)."""
+        if impl == "flex":
+            for s in range(1, steps + 1):
+                self.flex_block_mask(s, B, L, device)
+        elif impl == "chunked" and self.docs is not None:
+            self.key_starts()
+        return self
+
     def key_starts(self) -> list[int]:
         """Per row t: the first row of t's document, minimum over the batch (host list, read once)."""
         if self._key_starts is None:
@@ -270,6 +280,9 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     k = torch.cat([F.pad(t, pad) for t in ks], dim=2)
     v = torch.cat([F.pad(t, pad) for t in vs], dim=2)
     block_mask = (mask or TTTMask()).flex_block_mask(len(ks), B, L, q.device)
-    fn = _compiled_flex() if (q.device.type == "cuda" if compiled is None else compiled) else flex_attention
+    if torch.compiler.is_compiling():  # inside a compiled loss: flex is compiled as part of its graph
+        fn = flex_attention
+    else:
+        fn = _compiled_flex() if (q.device.type == "cuda" if compiled is None else compiled) else flex_attention
     o = fn(F.pad(q, pad), k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return o[:, :, :L]

@@ -88,6 +88,15 @@ def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
     return max(1, steps)
 
 
+def compile_loss(setting: str, device: torch.device, layout: str, attention: str) -> bool:
+    """train.compile: on, off, or auto = on with CUDA, packed (fixed-shape) batches and flex attention."""
+    from ..draft.ttt_attention import resolve_impl
+
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cuda" and layout == "packed" and resolve_impl(attention, device) == "flex"
+
+
 def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
     """(micro-batch token budget, micro-batches per optimizer step)."""
     micro = int(micro_batch_tokens or max(1, batch_tokens // world_size))
@@ -266,7 +275,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
     del embed, lm_head
     # FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit.
-    model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention), info, compute_dtype)
+    compiled = compile_loss(tc.compile, device, tc.batch_layout, tc.attention)
+    model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention, "inductor" if compiled else None), info, compute_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = {n: n.removeprefix("drafter.") for n, _ in named}
     decay = [p for _, p in named if p.dim() >= 2]
@@ -370,7 +380,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out), {sum(train_lengths)} tokens/epoch, "
             f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
             + (f"packed [1, {micro_tokens}] ({100 * fill:.1f}% real tokens), " if packed_tokens else "padded, ")
-            + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}"
+            + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}" + (", compiled loss" if compiled else "")
             + (f"; online: target forward on {target.device} ({str(target.dtype).replace('torch.', '')}), states rounded to "
                f"{recipe.capture.storage_dtype}, read from {src_dir}" if tc.online else ""))
 

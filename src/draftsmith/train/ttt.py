@@ -51,7 +51,8 @@ def position_weights(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
 def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
              final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float,
              weight_total: Optional[torch.Tensor] = None, attention: str = "auto",
-             position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> TTTOutput:
+             position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+             mask=None) -> TTTOutput:
     """The TTT loss of a batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
     final_hidden [B, L, H]. Padded batches (doc_ids None): one sample per row from position 0,
     padding (token 0, mask 0) after it, so causal attention keeps it out of every real row.
@@ -59,7 +60,8 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     its own), position_ids [B, L] restarting at 0 per sample; attention stays within a sample
     (TTTMask) and a row whose label t+2+i lies in another sample has weight 0, as past the end
     of a padded sample, so a packed batch gives the loss of its samples padded.
-    `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights)."""
+    `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights).
+    `mask`: the batch's draft.ttt_attention.TTTMask, prepared (default: built here from doc_ids)."""
     from ..draft.ttt_attention import TTTMask
 
     B, L = input_ids.shape
@@ -68,7 +70,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     ids_ext = F.pad(input_ids, (0, steps + 1))
     mask_ext = F.pad(loss_mask.float(), (0, 1))
     positions = torch.arange(L, device=dev)[None].expand(B, L) if position_ids is None else position_ids
-    attn_mask = TTTMask(doc_ids)
+    attn_mask = TTTMask(doc_ids) if mask is None else mask
     doc_ext = None if doc_ids is None else F.pad(doc_ids, (0, 1), value=-1)
     hidden = model.project(aux_hidden)
     cache: list = []
@@ -101,15 +103,32 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
 class TTTLoss(torch.nn.Module):
     """The drafter with its TTT loss as `forward`, so that FSDP2 (which hooks `forward`) sees
     one call per micro-batch: one all-gather of the parameters, one reduce-scatter of the
-    gradients. Returns a tuple of tensors (loss, ce, correct, weight) for FSDP's output hooks."""
+    gradients. Returns a tuple of tensors (loss, ce, correct, weight) for FSDP's output hooks.
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "auto"):
+    compile_backend ("inductor"; None: eager): ttt_loss runs torch.compile'd with it (dynamic=False;
+    tests use "aot_eager", which traces the same graph without generating kernels), its k unrolled steps one graph: norms,
+    rotary, SwiGLU, the lm_head's log-softmax and soft CE fuse into few kernels, and flex attention
+    compiles inside the same graph. Meant for fixed shapes (packed batches: one compile) and flex
+    attention (the chunked kernel's host-side block loop does not trace). The attention mask of a
+    batch is built eagerly first (TTTMask.prepare) and passed in."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "auto",
+                 compile_backend: Optional[str] = None):
         super().__init__()
         self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
+        self.compiled = compile_backend is not None
+        self._loss = torch.compile(ttt_loss, backend=compile_backend, dynamic=False) if self.compiled else ttt_loss
 
     def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total, position_ids=None, doc_ids=None):
-        out = ttt_loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
-                       self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids)
+        from ..draft.rope import rope_cos_sin
+        from ..draft.ttt_attention import TTTMask, resolve_impl
+
+        B, L = input_ids.shape
+        mask = TTTMask(doc_ids).prepare(resolve_impl(self.attention, input_ids.device), self.steps, B, L, input_ids.device)
+        if self.compiled:  # the rotary tables come from transformers' rope init, which does not trace: look them up eagerly once
+            rope_cos_sin(input_ids[:1, :1], self.drafter.cfg, torch.float32)
+        out = self._loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
+                         self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids, mask)
         return out.loss, out.ce, out.correct, out.weight
 
 
