@@ -55,6 +55,16 @@ def test_vocab_stage_writes_vocab_and_coverage(tmp_path):
     assert read_json(run_dir / "vocab" / "manifest.json")["status"] == "complete"
 
 
+def test_vocab_stage_draft_vocab_past_the_tokenizer(tmp_path):
+    """A draft vocab larger than the tokenizer's ids (model vocab 12, tokenizer 7): the unseen
+    model ids fill it and count 0 toward the coverage (they once indexed past the counts)."""
+    recipe, run_dir = _run_dir(tmp_path, torch.tensor([0, 0, 10, 5, 0, 3, 2], dtype=torch.int64))
+    recipe.vocab = VocabConfig(draft_vocab_size=9)
+    m = run(recipe, run_dir, "fp")
+    assert m["draft_vocab_size"] == 9 and m["metrics"]["coverage"] == 1.0
+    assert draft_ids(load_vocab(run_dir / "vocab" / "vocab.safetensors")[0]).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
 def test_vocab_stage_rejects_counts_beyond_model_vocab(tmp_path):
     counts = torch.zeros(14, dtype=torch.int64)
     counts[13] = 1

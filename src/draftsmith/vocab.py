@@ -110,6 +110,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             raise DraftsmithError(f"{counts_path}: tokens with ids >= {V} (the target's vocab_size) were counted; "
                                   "the tokenizer does not match the model in target.path")
         counts = counts[:V]
+    counts = torch.nn.functional.pad(counts, (0, V - counts.numel()))  # ids past the tokenizer's (never seen) count 0
     if int(recipe.vocab.draft_vocab_size) < 1:
         raise DraftsmithError(f"vocab.draft_vocab_size {recipe.vocab.draft_vocab_size}: must be >= 1")
 
