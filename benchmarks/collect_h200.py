@@ -9,7 +9,7 @@ pipeline's evaluate: MT-Bench, batch 1/4/16), fp8_eval_results.json (where prese
 pipeline on fp8 captures), k3/k7_eval_results.json (chain k sweeps), humaneval_eval_results.json,
 reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
 pipeline's training MFU), bench_capture.json, bench_train.json, bench_train_kimi.json (its Kimi probe replaces
-bench_train.json's), regen_manifest.json and
+bench_train.json's), bench_train_real_h512/2048/4096.json (training on real captures), regen_manifest.json and
 profile_rounds.json. Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
 
@@ -108,6 +108,15 @@ def collect(d: Path) -> dict:
     bk = load("bench_train_kimi.json", required=False)  # the Kimi-shaped probe on its own (driver step `kimi`)
     if bk:
         out.update({k: bk[k] for k in ("kimi_max_seq_len", "kimi_stopped", "kimi_runs")})
+    for width in (512, 2048, 4096):  # drafter training on real captures (driver step `trainreal`, bench_train.py --capture)
+        br = load(f"bench_train_real_h{width}.json", required=False)
+        if br:
+            out[f"train_mfu_real_h{width}"] = br["mfu"]
+            out[f"train_tokens_per_s_real_h{width}"] = br["tokens_per_s"]
+            out[f"train_real_h{width}"] = {k: br[k] for k in ("tokens_per_s_min", "tokens_per_s_max", "step_s_median",
+                                                                "step_s_spread", "real_token_fraction", "compiled", "recompiles",
+                                                                "micro_batch_tokens", "micro_batches_per_step", "ttt_steps",
+                                                                "peak_memory_gib", "drafter")}
     rg = load("regen_manifest.json", required=False)  # the target rewrites a subset's answers
     if rg:
         out["regenerate"] = {**rg["counts"], "seconds": rg["timings"]["regenerate_s"],
