@@ -263,3 +263,36 @@ def test_bench_train_real_mode_on_a_capture(tmp_path, target_dir):
     assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] and r["step_s_spread"] >= 1
     assert 0.5 < r["real_token_fraction"] <= 1 and r["train_tokens_per_s_real_h64"] == r["tokens_per_s"]
     assert r["recompiles"] == 0 and r["mfu"] is None  # CPU: no peak FLOP/s
+
+
+def test_batch_layouts(monkeypatch):
+    """collate / empty_batch: each sample's rows where its slot says, positions restarting and
+    document ids per sample (packed), and zeros (token 0, mask 0, states 0) in every padding
+    row even when the allocator hands back dirty memory (the states are allocated unwritten)."""
+    from draftsmith.train.data import collate
+
+    real_empty = torch.empty
+
+    def dirty_empty(*a, **k):
+        t = real_empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(7)
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(1, 50, (n,), generator=g), torch.ones(n, dtype=torch.bool), j,
+                      torch.randn(n, 6, generator=g), torch.randn(n, 2, generator=g)) for j, n in enumerate([5, 9, 3])]
+    padded, packed = collate(samples, None), collate(samples, 20)
+    assert padded.input_ids.shape == (3, 9) and padded.position_ids is None and padded.doc_ids is None
+    assert packed.input_ids.shape == (1, 20) and padded.num_tokens == packed.num_tokens == 17
+    assert packed.doc_ids.tolist() == [[0] * 5 + [1] * 9 + [2] * 3 + [3] * 3]
+    assert packed.position_ids.tolist() == [list(range(5)) + list(range(9)) + list(range(3)) + list(range(3))]
+    c = 0
+    for r, s in enumerate(samples):
+        n = len(s)
+        for b, row, col in ((padded, r, 0), (packed, 0, c)):
+            assert torch.equal(b.input_ids[row, col:col + n], s.input_ids) and torch.equal(b.aux_hidden[row, col:col + n], s.aux_hidden)
+            assert torch.equal(b.final_hidden[row, col:col + n], s.final_hidden) and bool(b.loss_mask[row, col:col + n].all())
+        assert not padded.input_ids[r, n:].any() and not padded.loss_mask[r, n:].any()
+        assert not padded.aux_hidden[r, n:].any() and not padded.final_hidden[r, n:].any()
+        c += n
+    assert not packed.input_ids[0, 17:].any() and not packed.aux_hidden[0, 17:].any() and not packed.final_hidden[0, 17:].any()

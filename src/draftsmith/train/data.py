@@ -85,12 +85,18 @@ def batch_slots(lengths: Sequence[int], packed_tokens: Optional[int]) -> tuple[t
 
 def empty_batch(lengths: Sequence[int], packed_tokens: Optional[int], aux_width: int, final_width: int,
                 dtype: torch.dtype, pin: bool = False) -> tuple[Batch, list[tuple[int, int]]]:
-    """A zero batch for samples of these lengths (token 0, mask 0, zero states everywhere) with
-    its position and document ids set, and each sample's (row, first column) to fill in."""
+    """A batch for samples of these lengths with its position and document ids set, and each
+    sample's (row, first column) to fill in. Tokens and masks are 0 and the hidden states zero
+    wherever no sample will be written (padding); the states under the samples are left
+    unwritten (they are hundreds of MiB at large widths, and the caller fills them)."""
     (B, L), slots = batch_slots(lengths, packed_tokens)
     zeros = dict(pin_memory=pin)
-    batch = Batch(torch.zeros(B, L, dtype=torch.int64, **zeros), torch.zeros(B, L, dtype=torch.float32, **zeros),
-                  torch.zeros(B, L, aux_width, dtype=dtype, **zeros), torch.zeros(B, L, final_width, dtype=dtype, **zeros),
+    aux = torch.empty(B, L, aux_width, dtype=dtype, **zeros)
+    fin = torch.empty(B, L, final_width, dtype=dtype, **zeros)
+    for r, ends in enumerate(_row_ends(slots, lengths, B)):
+        aux[r, ends:].zero_()
+        fin[r, ends:].zero_()
+    batch = Batch(torch.zeros(B, L, dtype=torch.int64, **zeros), torch.zeros(B, L, dtype=torch.float32, **zeros), aux, fin,
                   int(sum(lengths)))
     if packed_tokens is not None:
         pos = torch.empty(1, L, dtype=torch.int64, **zeros)
@@ -104,6 +110,14 @@ def empty_batch(lengths: Sequence[int], packed_tokens: Optional[int], aux_width:
         docs[0, end:] = len(lengths)  # the padding tail: a document of its own
         batch.position_ids, batch.doc_ids = pos, docs
     return batch, slots
+
+
+def _row_ends(slots: list[tuple[int, int]], lengths: Sequence[int], rows: int) -> list[int]:
+    """Per row, the column after its last sample (samples fill each row from column 0, end to end)."""
+    ends = [0] * rows
+    for (r, c), n in zip(slots, lengths):
+        ends[r] = max(ends[r], c + n)
+    return ends
 
 
 def collate(samples: Sequence[Sample], packed_tokens: Optional[int] = None) -> Batch:
