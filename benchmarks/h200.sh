@@ -16,7 +16,7 @@
 # round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
 # -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone)
 # -> trainreal (per width in TRAIN_WIDTHS: wide_target.py + prepare/capture/vocab, then bench_train.py --capture:
-# drafter training tokens/s and MFU on that capture) -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
+# drafter training tokens/s and MFU on that capture, eager then with train.compile's default) -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
 # -> residenttests (test_resident.py and test_fast.py, graphs included) -> write (bench_write.py: shard
 # write throughput on this host's disk). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
@@ -83,13 +83,15 @@ for s in $STEPS; do case $s in
   train)     step train "${TRAIN_LIMIT:-230}" python3 benchmarks/bench_train.py --out "$OUT/bench_train.json" \
                --budget-s "${TRAIN_BUDGET:-170}" ;;
   trainreal) for w in ${TRAIN_WIDTHS:-4096}; do  # a random-weight Llama of width w captured over real ShareGPT sequences
-               R="--target.path /tmp/wide$w --run_dir /tmp/runs/wide$w ${WIDE_ARGS:-}"
+               SRC=$(ls build/gpu/sharegpt_12000_*.jsonl.gz | head -n 1)  # whichever ShareGPT slice pack_gpu_data.py packed
+               R="--target.path /tmp/wide$w --run_dir /tmp/runs/wide$w --prepare.source $SRC ${WIDE_ARGS:-}"
                step "wide$w" "${WIDE_LIMIT:-240}" bash -c "python3 benchmarks/wide_target.py --width $w \
                  --tokenizer build/gpu/tokenizer --out /tmp/wide$w && for s in prepare capture vocab; do \
                  python3 -m draftsmith.cli \$s benchmarks/recipes/h200_wide.yaml $R || exit 1; done"
-               step "trainreal$w" "${TRAINREAL_LIMIT:-300}" python3 benchmarks/bench_train.py --capture /tmp/runs/wide$w/capture \
-                 --steps "${TRAINREAL_STEPS:-20}" --warmup "${TRAINREAL_WARMUP:-5}" ${TRAINREAL_ARGS:-} \
-                 --out "$OUT/bench_train_real_h$w.json"
+               for c in off auto; do  # eager first (a figure even if compiling fails), then train.compile's default
+                 step "trainreal$w-$c" "${TRAINREAL_LIMIT:-240}" python3 benchmarks/bench_train.py --capture /tmp/runs/wide$w/capture \
+                   --compile $c --steps "${TRAINREAL_STEPS:-15}" --warmup "${TRAINREAL_WARMUP:-4}" ${TRAINREAL_ARGS:-} \
+                   --out "$OUT/bench_train_real_h$w$([ $c = off ] && echo _eager).json"; done
                rm -rf "/tmp/wide$w" "/tmp/runs/wide$w/capture"; done ;;  # the disk holds one width's capture at a time
   kimi)      step kimi "${KIMI_LIMIT:-200}" python3 benchmarks/bench_train.py --hiddens --out "$OUT/bench_train_kimi.json" \
                --budget-s "${KIMI_BUDGET:-150}" ;;
