@@ -6,12 +6,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from .artifacts import DraftsmithError
-from .config import STAGES, Recipe
+from .config import STAGES, parse_recipe, recipe_parser
 
 STAGE_HELP = {
     "prepare": "conversations -> token shards with assistant-only loss masks",
@@ -33,41 +32,6 @@ TOOL_COMMANDS = {
     "probe-layers": ("draftsmith.probe", "choose aux layers by measurement (cheap probes per layer triple)"),
     "bench-serve": ("draftsmith.serve.bench", "load-test OpenAI-compatible endpoints: TTFT/TPOT/throughput vs concurrency, A/B"),
 }
-
-
-def _recipe_parser(prog: str, description: str):
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    p = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False)
-    p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
-    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
-    p.add_class_arguments(Recipe, None, fail_untyped=True)
-    return p
-
-
-def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
-    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`."""
-    import warnings
-
-    if argv and not argv[0].startswith("-"):
-        path = Path(argv[0])
-        if not path.exists():
-            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
-        argv = ["--config", str(path), *argv[1:]]
-    p = _recipe_parser(prog, "")
-    try:
-        cfg = p.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as e:
-        where = argv[1] if argv[:1] == ["--config"] else "command line"
-        msg = " ".join(str(e).split())
-        raise DraftsmithError(f"{where}: {msg}; fix the key or value (see `draftsmith run --help`)") from None
-    force = bool(cfg.pop("force", False))
-    cfg.pop("config", None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        init = p.instantiate_classes(cfg)
-    recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
-    return recipe, force
 
 
 def _print_help() -> None:
@@ -94,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if command not in RECIPE_COMMANDS:
             raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_COMMANDS))}")
         if "-h" in rest or "--help" in rest:
-            _recipe_parser(f"draftsmith {command}", STAGE_HELP[command]).print_help()
+            recipe_parser(f"draftsmith {command}", STAGE_HELP[command]).print_help()
             return 0
         recipe, force = parse_recipe(rest, prog=f"draftsmith {command}")
         from . import pipeline

@@ -1,13 +1,22 @@
-"""One dataclass per stage, and the run recipe that nests them.
+"""One dataclass per stage, the run recipe that nests them, and the parser that reads a recipe.
 
 Field docstrings are the CLI help (jsonargparse reads them). Model shapes come from the
 target's config.json, never from flags. The resolved recipe is written to
 `RUN_DIR/recipe.yaml` with every default spelled out.
+
+    parse_recipe(["recipes/quickstart.yaml", "--train.lr", "1e-3"]) -> (Recipe, force)
 """
 from __future__ import annotations
 
+import argparse
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from .artifacts import DraftsmithError
 
 
 @dataclass
@@ -269,3 +278,35 @@ class Recipe:
 
 
 STAGES = ("prepare", "regenerate", "capture", "vocab", "train", "evaluate", "export")
+
+
+def recipe_parser(prog: str, description: str) -> ArgumentParser:
+    """The parser of `draftsmith STAGE [RECIPE.yaml] [--section.key value ...]`: every Recipe field is a flag."""
+    p = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False)
+    p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
+    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
+    p.add_class_arguments(Recipe, None, fail_untyped=True)
+    return p
+
+
+def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
+    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`."""
+    if argv and not argv[0].startswith("-"):
+        path = Path(argv[0])
+        if not path.exists():
+            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
+        argv = ["--config", str(path), *argv[1:]]
+    p = recipe_parser(prog, "")
+    try:
+        cfg = p.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:
+        where = argv[1] if argv[:1] == ["--config"] else "command line"
+        msg = " ".join(str(e).split())
+        raise DraftsmithError(f"{where}: {msg}; fix the key or value (see `draftsmith run --help`)") from None
+    force = bool(cfg.pop("force", False))
+    cfg.pop("config", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        init = p.instantiate_classes(cfg)
+    recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
+    return recipe, force

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
-
-TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.17")}
-"""Versions draftsmith's tests ran with (CPU CI and the H200 machine): (lowest, highest)."""
+from .compat import TESTED
+from .config import parse_recipe
+from .data.shards import bytes_per_token
 
 ICON = {"ok": "✅", "warn": "⚠️ ", "fail": "❌", "info": "ℹ️ "}
 
@@ -103,8 +103,6 @@ def _existing(path: Path) -> Path:
 
 def capture_estimate(recipe, spec) -> tuple[Optional[int], str]:
     """(bytes the capture stage will write, how the figure was obtained)."""
-    from .target.capture import bytes_per_token
-
     run_dir = Path(recipe.run_dir)
     n_aux = len(recipe.target.aux_layer_ids or [0, 0, 0])
     bpt = bytes_per_token(n_aux, spec.hidden_size, recipe.capture.storage_dtype)
@@ -279,8 +277,6 @@ def main(argv: list[str]) -> int:
     a, rest = p.parse_known_args(argv)
     recipe = None
     if rest:
-        from .cli import parse_recipe
-
         recipe, _ = parse_recipe(rest, prog="draftsmith doctor")
     checks = diagnose(recipe, a.kill_stale)
     if a.json:

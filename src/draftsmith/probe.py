@@ -25,6 +25,7 @@ import torch
 
 from .artifacts import (DraftsmithError, Ledger, atomic_write_json, atomic_write_text, log, require_complete, stage_dir,
                         verify_shards)
+from .config import parse_recipe
 
 
 @dataclass
@@ -215,8 +216,6 @@ def to_markdown(res: dict, limit: int = 15) -> str:
 
 def main(argv: list[str]) -> int:
     """`draftsmith probe-layers RECIPE.yaml [--steps N] [--layers 1 5 9 ...] [--json] [--section.key value ...]`."""
-    from .cli import parse_recipe
-
     p = argparse.ArgumentParser(prog="draftsmith probe-layers", description=__doc__.split("\n")[0])
     for name, f in ProbeConfig.__dataclass_fields__.items():
         if name == "layers":

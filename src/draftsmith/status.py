@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .artifacts import DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
+from .compat import TESTED, mtp_layers
 from .config import STAGES
 
 ICONS = {"done": "✅", "running": "🔄", "pending": "⏳", "failed": "❌", "interrupted": "⏸️"}
@@ -211,13 +212,11 @@ def _mf(stage: str) -> str:
 
 def instructions(recipe: dict) -> list[dict]:
     """Constraints in force: tested versions, precision, hardware, options (recipe.yaml)."""
-    from .doctor import TESTED
-
     r = lambda key: _get(recipe, key)  # noqa: E731
     aux = r("target.aux_layer_ids")
     facts = [
         fact("tested versions", ", ".join(f"{k} {lo}" + (f"–{hi}" if hi != lo else "") for k, (lo, hi) in TESTED.items()),
-             "draftsmith.doctor.TESTED"),
+             "draftsmith.compat.TESTED"),
         fact("target", r("target.path"), "recipe.yaml: target.path"),
         fact("target device / dtype", f"{r('target.device')} / {r('target.dtype')}" if recipe else None,
              "recipe.yaml: target.device, target.dtype"),
@@ -241,7 +240,6 @@ def instructions(recipe: dict) -> list[dict]:
 
 
 def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
-    from .compat import mtp_layers
     from .plan import _text_config, target_spec
 
     path = _get(recipe, "target.path")

@@ -31,6 +31,13 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 HIDDEN = ("aux_hidden", "final_hidden")
 
 
+def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
+    """Disk bytes per captured token: aux + final hidden states (+ fp8 scales), ids (4) and mask (1)."""
+    size = torch.empty(0, dtype=STORAGE_DTYPES[storage_dtype]).element_size()
+    scales = (num_aux + 1) * 4 if storage_dtype == "float8_e4m3" else 0
+    return (num_aux + 1) * hidden_size * size + scales + 5
+
+
 def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, W] -> (fp8 values [T, W], float32 scales [T, groups]): each row is cut into `groups`
     equal parts (one per aux layer, whose magnitudes differ), each scaled so its max is 448."""

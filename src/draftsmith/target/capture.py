@@ -28,15 +28,8 @@ from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, lo
                          remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe
 from ..pipeline import token_stage
-from ..data.shards import STORAGE_DTYPES, Sample, length_batches, read_shard, write_shard
+from ..data.shards import STORAGE_DTYPES, Sample, bytes_per_token, length_batches, read_shard, write_shard
 from .model import Target, load_target
-
-
-def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
-    """Disk bytes per captured token: aux + final hidden states (+ fp8 scales), ids (4) and mask (1)."""
-    size = torch.empty(0, dtype=STORAGE_DTYPES[storage_dtype]).element_size()
-    scales = (num_aux + 1) * 4 if storage_dtype == "float8_e4m3" else 0
-    return (num_aux + 1) * hidden_size * size + scales + 5
 
 
 def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
