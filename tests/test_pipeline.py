@@ -80,6 +80,19 @@ def test_run_then_skip(tmp_path, target, capsys):
     assert started[-1] == "train"
 
 
+def test_stage_table_is_what_the_cli_and_status_list(capsys):
+    """One table: the pipeline runs its stages in config.STAGES order (what status reads without
+    importing them), and `draftsmith --help` lists each with its help."""
+    from draftsmith.config import STAGES
+    from draftsmith.pipeline import STAGE_TABLE
+
+    assert tuple(STAGE_TABLE) == STAGES
+    assert all(set(s.upstream) <= set(STAGES[:STAGES.index(name)]) for name, s in STAGE_TABLE.items())
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"  {name:<10} {s.help}" in printed for name, s in STAGE_TABLE.items()) and "  run " in printed
+
+
 def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     recipe = write_recipe(tmp_path, target, tmp_path / "run")
     assert main(["run", str(recipe), "--train.bogus", "1"]) == 2

@@ -230,6 +230,13 @@ def stage_dir(run_dir: str | Path, stage: str) -> Path:
     return Path(run_dir) / STAGE_DIRS.get(stage, stage)
 
 
+def token_stage(recipe, run_dir: str | Path) -> tuple[Path, str]:
+    """(folder, stage) of the token shards that capture, vocab and online training read: regen/
+    when regenerate is enabled, else data/. `recipe` is a config.Recipe."""
+    stage = "regenerate" if recipe.regenerate.enabled else "prepare"
+    return stage_dir(run_dir, stage), stage
+
+
 def load_manifest(directory: str | Path) -> dict | None:
     """The manifest of a stage folder, or None when the stage has not written one."""
     p = Path(directory) / MANIFEST

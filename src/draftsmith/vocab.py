@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        require_complete, stage_dir, write_manifest)
+                        require_complete, stage_dir, token_stage, write_manifest)
 from .config import Recipe
 
 COUNTS_FILE = "token_counts.safetensors"
@@ -85,8 +85,6 @@ def target_vocab_size(recipe: Recipe) -> int:
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(run_dir)
     t0 = time.time()
-    from .pipeline import token_stage
-
     data_dir, upstream = token_stage(recipe, run_dir)
     data_manifest = require_complete(data_dir, upstream)
     out_dir = stage_dir(run_dir, "vocab")

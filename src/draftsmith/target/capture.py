@@ -25,9 +25,8 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
-                         remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
+                         remove_temp_files, require_complete, stage_dir, token_stage, verify_shards, write_manifest)
 from ..config import Recipe
-from ..pipeline import token_stage
 from ..data.shards import STORAGE_DTYPES, Sample, bytes_per_token, length_batches, read_shard, write_shard
 from .model import Target, load_target
 

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, finish_manifest, load_manifest, log,
-                         new_manifest, remove_temp_files, require_complete, stage_dir, to_jsonable, verify_shards, write_manifest)
+                         new_manifest, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage, verify_shards,
+                         write_manifest)
 from ..config import Recipe
 from ..draft.build import drafter_config, init_drafter, read_target_embeddings
 from ..draft.model import Eagle3Drafter, save_drafter
@@ -198,8 +199,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
     vocab_dir, out_dir = stage_dir(run_dir, "vocab"), stage_dir(run_dir, "train")
     if tc.online:  # token shards in, the target's forward per micro-batch (target/online.py)
-        from ..pipeline import token_stage
-
         src_dir, src_stage = token_stage(recipe, run_dir)
     else:
         src_dir, src_stage = stage_dir(run_dir, "capture"), "capture"
