@@ -174,6 +174,12 @@ def fingerprint_path(path: str | Path) -> str:
 # ----------------------------------------------------------------------------- environment
 
 
+def torchrun_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) in a plain process.
+    The one reader of these variables (distributed.init_distributed, process_rank)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def process_rank() -> int:
     """This process's global rank: torch.distributed's when a process group is up, else
     torchrun's RANK variable, else 0. torch.distributed is not imported for this: a process
@@ -182,7 +188,7 @@ def process_rank() -> int:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     try:
-        return int(os.environ.get("RANK", "0") or 0)
+        return torchrun_ranks()[0]
     except ValueError:
         return 0
 

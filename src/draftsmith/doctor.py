@@ -24,6 +24,7 @@ from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
 from .compat import TESTED
 from .config import parse_recipe
 from .data.shards import bytes_per_token
+from .distributed import resolve_device
 
 ICON = {"ok": "✅", "warn": "⚠️ ", "fail": "❌", "info": "ℹ️ "}
 
@@ -140,8 +141,6 @@ def check_memory(recipe, spec, cfg: dict, found: list[dict]) -> dict:
     """Target weights + drafter (bf16 for inference; 16 bytes/param more when training: fp32 master,
     gradient, Adam moments) against the free memory where the target loads."""
     from .plan import drafter_params, target_spec
-    from .target.model import resolve_device
-
     try:
         dev = resolve_device(recipe.target.device)
     except DraftsmithError as e:

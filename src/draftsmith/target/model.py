@@ -17,16 +17,9 @@ import torch
 import torch.nn as nn
 
 from ..artifacts import DraftsmithError
+from ..distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DraftsmithError(f"device {device!r} asked for but no CUDA GPU is visible; set device: cpu (or auto)")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

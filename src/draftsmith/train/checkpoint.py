@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from ..artifacts import DraftsmithError, _fsync_dir, atomic_write_json, atomic_write_text, read_json
-from .distributed import DistInfo, barrier
+from ..distributed import DistInfo, barrier
 
 KEEP = 2
 LATEST = "latest"

@@ -47,13 +47,14 @@ from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, 
                          new_manifest, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage, verify_shards,
                          write_manifest)
 from ..config import Recipe
+from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
+                           rank_device)
 from ..draft.build import drafter_config, init_drafter, read_target_embeddings
 from ..draft.model import Eagle3Drafter, save_drafter
 from ..target.model import Target, load_target, resolve_dtype
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, TokenIndex, epoch_plan
-from .distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize
 from .flops import peak_flops, train_flops_per_token
 from .ttt import TTTLoss, position_weights, simulated_tau
 
@@ -178,11 +179,8 @@ def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
         raise DraftsmithError(f"target.device_map {device_map!r} with train.online under torchrun ({info.world_size} ranks): every rank "
                               "would spread its own copy of the target over all GPUs; unset target.device_map (one target per rank) "
                               "or capture offline (train.online: false)")
-    device = t.device
-    if info.world_size > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{info.local_rank}"
     t0 = time.time()
-    target = load_target(t.path, device, t.dtype, t.trust_remote_code, t.aux_layer_ids, with_tokenizer=False,
+    target = load_target(t.path, rank_device(t.device, info), t.dtype, t.trust_remote_code, t.aux_layer_ids, with_tokenizer=False,
                          device_map=device_map, experts_implementation=t.experts_implementation)
     return target, round(time.time() - t0, 3)
 
