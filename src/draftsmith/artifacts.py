@@ -343,24 +343,39 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rec = {"time": round(time.time(), 3), "event": event, **to_jsonable(fields)}
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_jsonl(self.path, rec)
         except OSError as e:  # a full disk must not hide the error being reported; read() skips a torn line
             log(f"warning: {self.path}: cannot append {event!r} ({e.strerror or e})")
 
     def read(self) -> list[dict]:
         """All complete records; a torn last line (a crash mid-append) is ignored."""
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return read_jsonl(self.path)
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append one JSON line and fsync it. A crash mid-append leaves at most a torn last line,
+    which read_jsonl skips."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The complete records (JSON objects, one a line) of an append-only file; a torn or garbled
+    line (a crash mid-append) is skipped; a missing file has none."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def iter_lines(path: Path) -> Iterable[tuple[int, str]]:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
 from .compat import TESTED
 from .config import parse_recipe
+from .costmodel import drafter_params, target_spec
 from .data.shards import bytes_per_token
 from .distributed import resolve_device
 
@@ -140,7 +141,6 @@ def check_disk(recipe, spec) -> dict:
 def check_memory(recipe, spec, cfg: dict, found: list[dict]) -> dict:
     """Target weights + drafter (bf16 for inference; 16 bytes/param more when training: fp32 master,
     gradient, Adam moments) against the free memory where the target loads."""
-    from .plan import drafter_params, target_spec
     try:
         dev = resolve_device(recipe.target.device)
     except DraftsmithError as e:
@@ -247,8 +247,6 @@ def check_processes(run_dir: Path, kill_stale: bool = False) -> list[dict]:
 
 
 def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
-    from .plan import target_spec
-
     found = gpus()
     checks = check_versions() + check_gpus(found)
     if recipe is None:

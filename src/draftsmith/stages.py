@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import evaluate, export, vocab
+from . import export, vocab
 from .config import Recipe
 from .data import prepare, regenerate
+from .evaluate import stage as evaluate
 from .target import capture
 from .train import loop as train
 

@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 from .artifacts import DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
 from .compat import TESTED, mtp_layers
 from .config import STAGES
+from .costmodel import target_spec, text_config_dict
+from .plan import predict, speedup_at
 
 ICONS = {"done": "✅", "running": "🔄", "pending": "⏳", "failed": "❌", "interrupted": "⏸️"}
 
@@ -240,8 +242,6 @@ def instructions(recipe: dict) -> list[dict]:
 
 
 def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
-    from .plan import _text_config, target_spec
-
     path = _get(recipe, "target.path")
     if not path:
         return []
@@ -254,7 +254,7 @@ def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
         spec = target_spec(cfg)
     except (ValueError, DraftsmithError) as e:
         return [fact("target config", f"unreadable ({e})", str(cfg_path))]
-    c, src = _text_config(cfg), f"{cfg_path}"
+    c, src = text_config_dict(cfg), f"{cfg_path}"
     return [
         fact("architecture", ", ".join(cfg.get("architectures") or []) or c.get("model_type"), f"{src}: architectures"),
         fact("decoder layers", spec.num_layers, f"{src}: num_hidden_layers"),
@@ -264,14 +264,12 @@ def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
              if spec.num_experts else "none (dense)", f"{src}: n_routed_experts/num_experts, num_experts_per_tok"),
         fact("MTP layers", mtp_layers(cfg), f"{src}: num_nextn_predict_layers (compat.mtp_layers)"),
         fact("parameters", f"{spec.total_params() / 1e9:.3g}B, {spec.weight_bytes() / 1e9:.3g} GB of weights",
-             f"{src}: parameters via plan.target_spec"),
+             f"{src}: parameters via costmodel.target_spec"),
     ]
 
 
 def _prediction_facts(run_dir: Path, ev: dict) -> list[Optional[dict]]:
     """Planner prediction at batch 1 and the evaluated k, next to the measured speedup."""
-    from .plan import predict, speedup_at
-
     metrics, k = ev.get("metrics", {}), ev.get("metrics", {}).get("draft_steps") or _get(ev, "config.draft_steps")
     measured, accept = metrics.get("speedup"), metrics.get("accept_rate_per_position")
     step_costs = ev.get("step_costs") or metrics.get("step_costs")

@@ -35,6 +35,8 @@ from tqdm import tqdm
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
                          load_manifest, log, new_manifest, remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
+from ..speculate.fast import choose_mode, fast_target_or_none
+from ..target.model import eos_token_ids, load_target, load_tokenizer
 from .readers import ReadStats, read_conversations
 from .shards import Sample, read_shard, shard_name, write_shard
 from .template import render
@@ -66,17 +68,12 @@ class LocalGenerator:
     transformers' `generate`."""
 
     def __init__(self, recipe: Recipe):
-        from ..speculate.fast import choose_mode, fast_target_or_none
-        from ..target.model import load_target
-
         t = recipe.target
         self.target = load_target(t.path, t.device, t.dtype, t.trust_remote_code, with_tokenizer=True,
                                   device_map=t.device_map, experts_implementation=t.experts_implementation)
         self.tok = self.target.tokenizer
         self.cfg = recipe.regenerate
-        gen_eos = self.target.model.generation_config.eos_token_id
-        eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos = {int(e) for e in eos + [self.tok.eos_token_id] if e is not None}
+        self.eos = set(eos_token_ids(self.target))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
         mode = choose_mode(self.cfg.fast, self.target, "regenerate.fast")
         # sized for every prompt that fits prepare.max_length: one cache, graphs captured once
@@ -241,8 +238,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # errors of chunks the manifest lists; lines of a chunk that was cut off are written again
     done_chunks = len(m["shards"])
     errors = [line for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
-
-    from ..target.model import load_tokenizer
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)

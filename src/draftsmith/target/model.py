@@ -43,6 +43,15 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
                               "the folder needs tokenizer.json / tokenizer_config.json") from None
 
 
+def eos_token_ids(target: "Target") -> list[int]:
+    """Every id that ends the target's answer: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    for v in (getattr(target.tokenizer, "eos_token_id", None),
+              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
+    return sorted(int(i) for i in ids)
+
+
 def text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get() if get is not None else config
