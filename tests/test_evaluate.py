@@ -11,7 +11,7 @@ from draftsmith.evaluate import measure, stage
 from draftsmith.artifacts import DraftsmithError, Ledger, load_manifest, new_manifest, finish_manifest, read_json
 from draftsmith.config import DraftConfig, EvaluateConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
-from draftsmith.draft.model import save_drafter
+from draftsmith.draft.io import save_drafter
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 

@@ -22,10 +22,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, Ledger, atomic_write_json, atomic_write_text, log, require_complete, stage_dir,
                         verify_shards)
 from .config import parse_recipe
+from .data.shards import iter_samples
+from .target.model import default_aux_layer_ids, load_target, read_text_config
 
 
 @dataclass
@@ -59,8 +62,6 @@ def _top_tokens(run_dir: Path, labels: torch.Tensor, vocab: int, k: int) -> torc
     """The k most frequent tokens under the loss mask (prepare's counts; else the labels' own)."""
     path = stage_dir(run_dir, "prepare") / "token_counts.safetensors"
     if path.exists():
-        from safetensors.torch import load_file
-
         counts = load_file(str(path))["counts"][:vocab].to(torch.float64)
     else:
         counts = torch.bincount(labels, minlength=vocab).to(torch.float64)
@@ -146,16 +147,11 @@ def train_probes(data: dict, triples: list[tuple[int, ...]], layer_index: dict[i
 
 
 def probe_layers(recipe, cfg: ProbeConfig) -> dict:
-    from .data.shards import iter_samples
-    from .target.model import default_aux_layer_ids, load_target, text_config
-
     run_dir = Path(recipe.run_dir)
     data_m = require_complete(stage_dir(run_dir, "prepare"), "prepare")
     shards = verify_shards(stage_dir(run_dir, "prepare"), data_m)
     t0 = time.time()
-    from transformers import AutoConfig
-
-    tcfg = text_config(AutoConfig.from_pretrained(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code))
+    tcfg = read_text_config(recipe.target.path, recipe.target.trust_remote_code)
     N = int(tcfg.num_hidden_layers)
     default = list(recipe.target.aux_layer_ids or default_aux_layer_ids(N))
     layers = sorted(set(cfg.layers)) if cfg.layers else candidate_layers(N, cfg.num_candidate_layers, default)

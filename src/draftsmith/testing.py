@@ -134,7 +134,7 @@ def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: i
     `config_overrides` go to the target's config (e.g. rope_parameters)."""
     from .config import DraftConfig
     from .draft.build import drafter_config, init_drafter
-    from .draft.model import save_drafter
+    from .draft.io import save_drafter
     from .target.model import load_target
 
     root = Path(root)

@@ -21,7 +21,7 @@ from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atom
                          stage_dir, write_manifest)
 from ..config import Recipe
 from ..data.readers import load_prompts
-from ..draft.model import Eagle3Config, load_drafter
+from ..draft.io import load_drafter, read_drafter_config
 from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
 from .measure import DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, run_method, run_plain, seeded_generator
@@ -36,7 +36,7 @@ PARTIAL = "partial.jsonl"
 def load_models(recipe: Recipe, drafter_dir: Path):
     """The target (with the drafter's aux layers hooked) and the drafter, on one device and dtype."""
     cfg_path = drafter_dir / "config.json"
-    dcfg = Eagle3Config.load(cfg_path)
+    dcfg = read_drafter_config(cfg_path)
     t = recipe.target
     aux = dcfg.aux_layer_ids or t.aux_layer_ids
     if t.aux_layer_ids and dcfg.aux_layer_ids and list(t.aux_layer_ids) != list(dcfg.aux_layer_ids):

@@ -7,7 +7,7 @@ embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/eval.jsonl        held-out evaluations (simulated acceptance length per eval)
     train/tensorboard/      the same as TensorBoard scalars, plus tokens/s, MFU, peak memory
     train/best/             the drafter with the best held-out simulated tau (when heldout_samples > 0)
-    train/drafter/          the final drafter (config.json + model.safetensors, draft.model.save_drafter)
+    train/drafter/          the final drafter (config.json + model.safetensors, draft/io.py's save_drafter)
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
 A step takes batch_tokens // micro_batch_tokens consecutive micro-batches of the epoch plan,
 dealt round-robin to the ranks; each micro-batch's loss is a fraction of the global batch's
@@ -49,9 +49,10 @@ from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, 
 from ..config import Recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
-from ..draft.build import drafter_config, init_drafter, read_target_embeddings
-from ..draft.model import Eagle3Drafter, save_drafter
-from ..target.model import Target, load_target, resolve_dtype
+from ..draft.build import drafter_config, init_drafter
+from ..draft.io import save_drafter
+from ..draft.model import Eagle3Drafter
+from ..target.model import Target, load_target, read_target_embeddings, resolve_dtype
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, TokenIndex, epoch_plan
