@@ -156,15 +156,15 @@ def killed_at_step(monkeypatch, step: int):
     kill at that moment would stop it (resume tests); the real logger is back afterwards."""
     from .train import loop
 
-    real = loop._append_jsonl
+    real = loop.append_jsonl
 
-    def crash(f, rec):
+    def crash(path, rec):
         if rec["step"] == step:
             raise KeyboardInterrupt
-        real(f, rec)
+        real(path, rec)
 
-    monkeypatch.setattr(loop, "_append_jsonl", crash)
+    monkeypatch.setattr(loop, "append_jsonl", crash)
     try:
         yield
     finally:
-        monkeypatch.setattr(loop, "_append_jsonl", real)
+        monkeypatch.setattr(loop, "append_jsonl", real)

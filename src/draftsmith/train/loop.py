@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, finish_manifest, load_manifest, log,
-                         new_manifest, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage, verify_shards,
-                         write_manifest)
+from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
+                         log, new_manifest, read_jsonl, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage,
+                         verify_shards, write_manifest)
 from ..config import Recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
@@ -100,25 +100,6 @@ def heldout_split(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]
         raise DraftsmithError(f"train: heldout_samples {heldout} leaves nothing to train on ({n} samples); lower it")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 7919 + 17)).tolist()
     return sorted(order[heldout:]), sorted(order[:heldout])
-
-
-def _append_jsonl(f, record: dict) -> None:
-    f.write(json.dumps(record) + "\n")
-    f.flush()
-
-
-def _records_upto(path: Path, step: int) -> list[dict]:
-    """The JSONL records of steps <= step (a crash may have torn the last line)."""
-    recs = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec["step"] <= step:
-                recs.append(rec)
-    return recs
 
 
 def _fmt_s(s: float) -> str:
@@ -310,7 +291,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         skipped, in_a_row = int(meta.get("skipped_nonfinite", 0)), int(meta.get("nonfinite_in_a_row", 0))
         best_tau = meta.get("best_tau")
         for path in (metrics_path, eval_path):
-            recs = _records_upto(path, step)
+            recs = [r for r in read_jsonl(path) if r["step"] <= step]  # a crash may have torn the last line
             if main:
                 atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in recs))
             if path == metrics_path:
@@ -334,14 +315,12 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             + (f"; online: target forward on {target.device} ({str(target.dtype).replace('torch.', '')}), states rounded to "
                f"{recipe.capture.storage_dtype}, read from {src_dir}" if tc.online else ""))
 
-    writer = metrics_file = eval_file = bar = None
+    writer = bar = None
     if main:
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
-        metrics_file = open(metrics_path, "a", encoding="utf-8")
-        eval_file = open(eval_path, "a", encoding="utf-8")
         bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
                    disable=not sys.stderr.isatty())
     start_step, t_start = step, time.time()
@@ -427,7 +406,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             tokens_window += step_tokens
             tokens_session += step_tokens
             if main:
-                _append_jsonl(metrics_file, rec)
+                append_jsonl(metrics_path, rec)
                 bar.update(1)
                 if ok:
                     writer.add_scalar("train/loss", loss, step)
@@ -464,7 +443,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     best_tau = ev["tau"]
                 best = full_drafter(model, cfg, info) if better else None
                 if main:
-                    _append_jsonl(eval_file, ev)
+                    append_jsonl(eval_path, ev)
                     writer.add_scalar("eval/loss", ev["loss"], step)
                     writer.add_scalar("eval/tau_simulated", ev["tau"], step)
                     for i, a in enumerate(ev["acc"]):
@@ -481,8 +460,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     write_manifest(out_dir, manifest)
     finally:
         if main:
-            metrics_file.close()
-            eval_file.close()
             writer.close()
             bar.close()
 
