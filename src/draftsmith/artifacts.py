@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -33,7 +34,8 @@ class DraftsmithError(Exception):
 # ----------------------------------------------------------------------------- atomic I/O
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so a rename into it survives a crash (best effort: not every filesystem can)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -62,7 +64,7 @@ def atomic_write_bytes(path: str | Path, data: bytes | Sequence[bytes | memoryvi
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise DraftsmithError(f"{path}: cannot write ({e.strerror or e}); free disk space or fix permissions and rerun") from e
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def remove_temp_files(directory: str | Path, recursive: bool = False) -> None:
@@ -87,7 +89,7 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
     The bytes depend only on the tensors and the metadata, not on either dict's insertion
     order: keys are sorted before saving, and the header is rewritten canonically, because
     safetensors emits `__metadata__` in Rust hash order, which changes from call to call."""
-    from safetensors.torch import save
+    from safetensors.torch import save  # why here: it imports torch (~1.5 s); status and plan read artifacts without it
 
     data = save({k: tensors[k].contiguous() for k in sorted(tensors)},
                 metadata=None if metadata is None else {k: metadata[k] for k in sorted(metadata)})
@@ -200,8 +202,6 @@ def is_main_rank() -> bool:
 
 
 def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": platform.python_version()}
     for name in ("draftsmith", "torch", "transformers", "safetensors", "tokenizers"):
         try:
@@ -215,7 +215,7 @@ def hardware_info() -> dict[str, Any]:
     info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
                             "cpu_count": os.cpu_count()}
     try:
-        import torch
+        import torch  # why here: ~1.5 s to import; status and plan read artifacts without it
 
         info["torch_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():

@@ -27,8 +27,8 @@ TOOL_HELP = {  # commands that are not stages: name -> help, one line each
 
 
 def tool_main(command: str) -> Callable[[list[str]], int]:
-    """The `main(argv) -> exit status` of a tool command, imported when it runs: probe-layers and
-    import-drafter load torch (about 1.5 s), which status and plan do not need."""
+    """The `main(argv) -> exit status` of a tool command."""
+    # why here: doctor, probe-layers and import-drafter load torch (~1.5 s), which status and plan do not need
     if command == "status":
         from .status import main
     elif command == "import-drafter":
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             return tool_main(command)(rest)
         if command not in (*RECIPE_COMMANDS, "-h", "--help", "help"):
             raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_HELP))}")
-        # why here: the stage table imports every stage, and with them torch (about 1.5 s)
+        # why here: the stage table imports every stage, and with them torch (~1.5 s)
         from . import pipeline, status
 
         stage_help = {name: stage.help for name, stage in pipeline.STAGE_TABLE.items()}

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from safetensors import safe_open
+
 from .artifacts import DraftsmithError
 
 TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.17")}
@@ -64,8 +66,6 @@ def _checkpoint_keys(model_dir: Path) -> Optional[list[str]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
-    from safetensors import safe_open
-
     keys: list[str] = []
     for f in files:
         with safe_open(str(f), "pt") as h:

@@ -12,13 +12,20 @@ Exit status 1 when a check fails.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Optional
+
+import torch
+from packaging.version import Version
 
 from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
 from .compat import TESTED
@@ -35,16 +42,11 @@ def check(name: str, status: str, detail: str, **data: Any) -> dict:
 
 
 def _within(version: str, lo: str, hi: str) -> bool:
-    from packaging.version import Version
-
     v = Version(version).release
     return Version(lo).release <= v[:len(Version(lo).release)] and v[:len(Version(hi).release)] <= Version(hi).release
 
 
 def check_versions() -> list[dict]:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
     out = []
     for name, (lo, hi) in TESTED.items():
         try:
@@ -62,8 +64,6 @@ def check_versions() -> list[dict]:
 
 def gpus() -> list[dict]:
     """Visible CUDA GPUs: index, name, free and total memory in bytes."""
-    import torch
-
     if not torch.cuda.is_available():
         return []
     out = []
@@ -176,8 +176,6 @@ def _cmdline(pid: int) -> Optional[str]:
 
 def _gpu_memory_by_pid() -> dict[int, int]:
     """MiB of GPU memory per process, from nvidia-smi (empty without it)."""
-    import subprocess
-
     if not shutil.which("nvidia-smi"):
         return {}
     try:
@@ -266,8 +264,6 @@ def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     """`draftsmith doctor [RECIPE.yaml] [--section.key value ...] [--kill-stale] [--json]`."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n")[0])
     p.add_argument("--kill-stale", action="store_true", help="SIGTERM live draftsmith PIDs of this run whose stage has ended")
     p.add_argument("--json", action="store_true", help="print JSON")

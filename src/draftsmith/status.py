@@ -12,12 +12,15 @@ every figure carries a [n] marker naming the file (and key) it was read from.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import yaml
 
 from .artifacts import DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
 from .compat import TESTED, mtp_layers
@@ -127,8 +130,6 @@ def stage_state(run_dir: Path, stage: str, events: list[dict]) -> dict:
 
 
 def _read_recipe(run_dir: Path) -> dict:
-    import yaml
-
     p = run_dir / "recipe.yaml"
     if not p.exists():
         return {}
@@ -508,8 +509,6 @@ def render(run_dir: Path, as_json: bool = False, brief: bool = False) -> str:
 
 def main(argv: list[str]) -> int:
     """`draftsmith status RUN_DIR [--json]`."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="draftsmith status")
     p.add_argument("run_dir", help="run directory (runs/NAME)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")

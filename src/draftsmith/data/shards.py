@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from ..artifacts import DraftsmithError, atomic_save_safetensors
 
@@ -130,9 +132,6 @@ def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[
 
 def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
     """Samples of a shard; hidden states as stored, fp8 ones decoded to float32."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         t = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 AttentionImpl = Literal["auto", "reference", "chunked", "flex"]
 CHUNK_SCORES = 1 << 22  # score elements per query block of the chunked kernel (16 MiB in fp32)
@@ -144,8 +145,6 @@ def _block_scores(q, k0, kd, a: int, b: int, scale: float):
 
 @functools.lru_cache(maxsize=64)
 def _ttt_block_mask(L: int, steps: int, device: str):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask_mod(b, h, q_idx, kv_idx):
         step = kv_idx // L
         pos = kv_idx - step * L
@@ -156,9 +155,7 @@ def _ttt_block_mask(L: int, steps: int, device: str):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    import torch._dynamo
-
-    from torch.nn.attention.flex_attention import flex_attention
+    import torch._dynamo  # why here: ~2.5 s to import; only the compiled (CUDA) path needs it
 
     # One compiled kernel per (padded L, step): a run sees up to max_length/128 * ttt_steps shapes;
     # past dynamo's default limit it would fall back to eager flex, which materialises the scores.
@@ -172,8 +169,6 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     multiple of the block size so that the compiled kernel sees few distinct shapes; padded
     keys sit after every real row's keys and are masked, padded query rows are dropped.
     Compiled on CUDA (eager flex materialises the scores: use it only to check the mask)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     L = q.shape[2]
     Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
     pad = (0, 0, 0, Lp - L)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError
 from ..data.batch import Batch
@@ -59,8 +60,6 @@ class CaptureIndex(_Lengths):
     (`trainable_length`)."""
 
     def __init__(self, paths: Sequence[Path], max_length: int, hidden_size: int, num_aux: int):
-        from safetensors import SafetensorError, safe_open
-
         self.paths = [Path(p) for p in paths]
         self.max_length = int(max_length)
         self._handles: dict[int, Any] = {}

@@ -42,9 +42,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
-                         log, new_manifest, read_jsonl, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage,
+                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage,
                          verify_shards, write_manifest)
 from ..config import Recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
@@ -53,6 +54,7 @@ from ..draft.build import drafter_config, init_drafter
 from ..draft.io import save_drafter
 from ..draft.model import Eagle3Drafter
 from ..target.model import Target, load_target, read_target_embeddings, resolve_dtype
+from ..target.online import online_batch
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, TokenIndex, epoch_plan
@@ -122,7 +124,7 @@ def _window_metrics(window: deque, k: int) -> dict:
 def _peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
+    import resource  # why here: a Unix-only module, needed only off CUDA
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
 
@@ -131,6 +133,7 @@ def full_drafter(model: TTTLoss, cfg, info: DistInfo):
     """The whole drafter (float32, CPU) on rank 0, None elsewhere; a collective when sharded."""
     if not is_sharded(model):
         return model.drafter
+    # why here: torch.distributed.checkpoint takes ~1.5 s to import; one rank never needs it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -250,8 +253,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # Online: the same samples, cuts and order as a CaptureIndex over the capture of these token
     # shards, so the batch plans below are the same; only where the hidden states come from differs.
     if tc.online:
-        from ..target.online import online_batch
-
         index = TokenIndex(shard_paths, tc.max_length)
         top, where = index.max_token_id()
         if top >= target.vocab_size:
@@ -317,8 +318,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     writer = bar = None
     if main:
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
+        from torch.utils.tensorboard import SummaryWriter  # why here: tensorboard is heavy, and only rank 0 writes
 
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
         bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
@@ -493,6 +493,4 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
 
 def read_json_safe(path: Path) -> dict:
-    from ..artifacts import read_json
-
     return read_json(path) if path.exists() else {}
