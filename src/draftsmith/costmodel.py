@@ -198,7 +198,7 @@ HARDWARE = {
     "h100": Hardware("h100", memory_gb=80, mem_bw_gbps=3350, tflops=989, interconnect_gbps=450, allreduce_latency_us=10),
     "a100-pcie": Hardware("a100-pcie", memory_gb=80, mem_bw_gbps=1935, tflops=312, interconnect_gbps=25,
                           allreduce_latency_us=30),
-    # The seed project's machine: 8 PCIe GPUs, no NVLink. Per-GPU figures of a 96 GB PCIe 5 card;
+    # A server of 8 PCIe GPUs without NVLink (docs/planner.md's Kimi-K2.5 example). Per-GPU figures of a 96 GB PCIe 5 card;
     # calibrate with --decode_ms_per_token and --comm_share, which is what docs/planner.md does.
     "pcie-8x": Hardware("pcie-8x", num_gpus=8, memory_gb=96, mem_bw_gbps=1792, tflops=500, interconnect_gbps=50,
                         allreduce_latency_us=40),

@@ -264,7 +264,10 @@ def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     """`draftsmith doctor [RECIPE.yaml] [--section.key value ...] [--kill-stale] [--json]`."""
-    p = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n")[0],
+                                usage="%(prog)s [RECIPE.yaml] [--section.key value ...] [--kill-stale] [--json]",
+                                epilog="With a recipe (a YAML file first, or recipe keys as --section.key value) the run's disk, "
+                                       "memory fit and recorded processes are checked too.")
     p.add_argument("--kill-stale", action="store_true", help="SIGTERM live draftsmith PIDs of this run whose stage has ended")
     p.add_argument("--json", action="store_true", help="print JSON")
     a, rest = p.parse_known_args(argv)

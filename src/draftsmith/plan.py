@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import yaml
-from jsonargparse import ArgumentParser
 
 from .artifacts import DraftsmithError, atomic_write_json, load_manifest, read_json, stage_dir
+from .config import cli_parser
 from .costmodel import HARDWARE, MeasuredCost, RooflineCost, StepCost, drafter_params, target_spec
 
 # ----------------------------------------------------------------------------- acceptance
@@ -146,10 +146,15 @@ class PlanConfig:
     hardware: str = "h200"
     """Hardware preset: h200, h100, a100-pcie, pcie-8x."""
     num_gpus: Optional[int] = None
+    """GPUs the target is spread over (tensor parallel); unset: the preset's."""
     mem_bw_gbps: Optional[float] = None
+    """Memory bandwidth per GPU, GB/s; unset: the preset's."""
     tflops: Optional[float] = None
+    """Dense bf16 TFLOP/s per GPU; unset: the preset's."""
     interconnect_gbps: Optional[float] = None
+    """AllReduce bus bandwidth per GPU, GB/s; unset: the preset's."""
     allreduce_latency_us: Optional[float] = None
+    """Fixed cost of one small AllReduce, microseconds; unset: the preset's."""
     decode_ms_per_token: Optional[float] = None
     """Measured single-stream decode time per token; calibrates the roofline."""
     comm_share: Optional[float] = None
@@ -163,9 +168,11 @@ class PlanConfig:
     ngram_alpha: float = 0.3
     """Assumed per-position acceptance of n-gram (prompt lookup) drafting."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    """Batch sizes (sequences decoded together) to predict for."""
     context: int = 2048
     """Tokens of KV cache per sequence."""
     draft_vocab_size: int = 32000
+    """The drafter's output vocabulary (its lm_head rows), for its step cost."""
     weight_bits: Optional[float] = None
     """Override the bits per weight of every weight (default: from config.json)."""
     expert_weight_bits: Optional[float] = None
@@ -263,7 +270,7 @@ def to_table(result: dict) -> str:
 
 def main(argv: list[str]) -> int:
     """`draftsmith plan [--target CONFIG] [--run_dir RUN] [--hardware h200] ...`."""
-    p = ArgumentParser(prog="draftsmith plan", description=PlanConfig.__doc__, default_env=False)
+    p = cli_parser("draftsmith plan", PlanConfig.__doc__)
     p.add_class_arguments(PlanConfig, None)
     cfg = PlanConfig(**{k: v for k, v in p.parse_args(argv).as_dict().items() if k in PlanConfig.__dataclass_fields__})
     result = plan(cfg)

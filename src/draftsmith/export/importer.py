@@ -186,7 +186,8 @@ def main(argv: list[str]) -> int:
     out.add_argument("--run-dir", help="write RUN_DIR/train/drafter + a complete train manifest (then evaluate / export)")
     out.add_argument("--out", help="write a drafter folder here")
     p.add_argument("--aux-layer-ids", help="internal ids (outputs of 0-indexed layers), e.g. 1,29,57; default: from the file")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run code shipped with the target folder (off: only trust a folder you know)")
     args = p.parse_args(argv)
     ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
     if args.run_dir:

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 from urllib.parse import urlsplit
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile
 from tqdm import tqdm
 
 from ..artifacts import DraftsmithError, Ledger, atomic_write_json, package_versions, to_jsonable
+from ..config import cli_parser
 from ..data.readers import load_prompts
 from .metrics import parse_prometheus, spec_window
 
@@ -467,8 +468,7 @@ def run(cfg: BenchServeConfig) -> dict:
 
 
 def parse_args(argv: list[str]) -> BenchServeConfig:
-    p = ArgumentParser(prog="draftsmith bench-serve", description=BenchServeConfig.__doc__,
-                       exit_on_error=False, default_env=False)
+    p = cli_parser("draftsmith bench-serve", BenchServeConfig.__doc__, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML with any of the options below")
     p.add_class_arguments(BenchServeConfig, None, fail_untyped=True)
     try:
