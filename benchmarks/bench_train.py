@@ -28,16 +28,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import yaml
 
-from draftsmith.artifacts import atomic_write_json
+from draftsmith.artifacts import atomic_write_json, require_complete, verify_shards
+from draftsmith.config import DraftConfig
+from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import Eagle3Config, Eagle3Drafter
+from draftsmith.target.model import read_target_embeddings
+from draftsmith.train.data import CaptureIndex, Loader, epoch_plan
 from draftsmith.train.flops import peak_flops, train_flops_per_token
+from draftsmith.train.loop import ADAM_BETAS, compile_loss, micro_batching
 from draftsmith.train.ttt import TTTLoss, position_weights
+from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
 
 
 def drafter_cfg(hidden: int, target_vocab: int, draft_vocab: int, heads: int, kv_heads: int, head_dim: int,
@@ -98,18 +106,9 @@ def is_oom(e: BaseException) -> bool:
 
 def measure_real(a, device: torch.device, peak: float | None) -> dict:
     """Train on a capture directory the way train/loop.py does; see the module docstring."""
-    import statistics
-
+    # why here: torch._dynamo takes seconds to import; only --capture reads its counters
     import torch._dynamo
-    import yaml
     from torch._dynamo.utils import counters
-
-    from draftsmith.artifacts import require_complete, verify_shards
-    from draftsmith.config import DraftConfig
-    from draftsmith.draft.build import drafter_config, init_drafter, read_target_embeddings
-    from draftsmith.train.data import CaptureIndex, Loader, epoch_plan
-    from draftsmith.train.loop import ADAM_BETAS, compile_loss, micro_batching
-    from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
 
     capture_dir, vocab_dir = Path(a.capture), Path(a.vocab)
     cap_m = require_complete(capture_dir, "capture")

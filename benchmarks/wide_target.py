@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=LLAMA3_VOCAB, help="the model's vocab (>= the tokenizer's)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # why here: seconds to import; --help needs none of it
 
     t0 = time.time()
     out, tok_dir = Path(a.out), Path(a.tokenizer)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from draftsmith import pipeline
 from draftsmith.artifacts import DraftsmithError, sha256_file
 from draftsmith.config import ExportConfig, Recipe, TargetConfig
-from draftsmith.draft.model import load_drafter
+from draftsmith.draft.io import load_drafter
 from draftsmith.export.importer import import_drafter
 from draftsmith.export.sglang import export_sglang
 from draftsmith.export.vllm import export_vllm

@@ -203,7 +203,7 @@ def test_drafter_ttt_loss_packed_equals_padded():
     not crossing a sample) equals that of the same samples padded one per row: loss, CE,
     accuracy counts, weights and every parameter gradient."""
     from draftsmith.data.shards import Sample
-    from draftsmith.train.data import collate
+    from draftsmith.data.batch import collate
     from draftsmith.train.ttt import position_weights, ttt_loss
 
     cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -267,7 +267,7 @@ def test_compiled_ttt_loss_traces_once_and_matches_eager(impl):
     from torch._dynamo.utils import counters
 
     from draftsmith.data.shards import Sample
-    from draftsmith.train.data import collate
+    from draftsmith.data.batch import collate
     from draftsmith.train.ttt import TTTLoss, position_weights
 
     cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -28,6 +28,7 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 AttentionImpl = Literal["auto", "reference", "chunked", "flex"]
 CHUNK_SCORES = 1 << 22  # score elements per query block of the chunked kernel (16 MiB in fp32)
@@ -81,7 +82,8 @@ class TTTMask:
         return self._flex[steps]
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, nkv, L, hd] -> [B, nkv * n_rep, L, hd]: each key/value head serves n_rep query heads (GQA)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
@@ -100,22 +102,22 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     if impl == "reference":
         return ttt_attention_reference(q, ks, vs, scale, mask.docs)
     if len(ks) == 1 and mask.docs is None:  # step 0 of a padded batch: causal attention, a fused kernel on every device
-        return F.scaled_dot_product_attention(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, repeat_kv(ks[0], n_rep), repeat_kv(vs[0], n_rep), is_causal=True, scale=scale)
     if impl == "flex":
         return ttt_attention_flex(q, ks, vs, scale, mask=mask)
     if impl == "chunked":
         B, _, L, hd = q.shape
         if len(ks) == 1 and B == 1:  # step 0 of a packed row: causal attention per sample, a fused kernel each
-            return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], _repeat_kv(ks[0][:, :, a:b], n_rep),
-                                                             _repeat_kv(vs[0][:, :, a:b], n_rep), is_causal=True, scale=scale)
+            return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], repeat_kv(ks[0][:, :, a:b], n_rep),
+                                                             repeat_kv(vs[0][:, :, a:b], n_rep), is_causal=True, scale=scale)
                               for a, b in mask.documents()], dim=2)
         if len(ks) > 1:
-            kd = torch.stack([_repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
-            vd = torch.stack([_repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
+            kd = torch.stack([repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
+            vd = torch.stack([repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
         else:  # step 0 of a packed batch of several rows: no diagonal keys
             kd = vd = q.new_zeros(B, q.shape[1], L, 0, hd)
         starts = None if mask.docs is None else mask.key_starts()
-        return _ChunkedTTTAttention.apply(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), kd, vd, scale, mask.docs, starts)
+        return _ChunkedTTTAttention.apply(q, repeat_kv(ks[0], n_rep), repeat_kv(vs[0], n_rep), kd, vd, scale, mask.docs, starts)
     raise ValueError(f"unknown TTT attention implementation {impl!r} (auto, reference, chunked, flex)")
 
 
@@ -131,16 +133,16 @@ def ttt_attention_reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[to
                             docs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The naive form: [L, L] step-0 scores plus i diagonal scores per row, one softmax."""
     n_rep = q.shape[1] // ks[0].shape[1]
-    k0, v0 = _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep)
+    k0, v0 = repeat_kv(ks[0], n_rep), repeat_kv(vs[0], n_rep)
     L = q.shape[2]
     rows = torch.arange(L, device=q.device)
     s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, L, L]
     s0 = s0.masked_fill(~_visible(docs, rows, rows), float("-inf"))
-    diag = [(q * _repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale for kj in ks[1:]]
+    diag = [(q * repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale for kj in ks[1:]]
     s = torch.cat([s0, *diag], dim=-1).to(_acc(q)).softmax(-1).to(q.dtype)
     o = s[..., :L] @ v0
     for j, vj in enumerate(vs[1:]):
-        o = o + s[..., L + j:L + j + 1] * _repeat_kv(vj, n_rep)
+        o = o + s[..., L + j:L + j + 1] * repeat_kv(vj, n_rep)
     return o
 
 
@@ -226,8 +228,6 @@ def _flex_block_mask(docs: torch.Tensor, steps: int):
     and the diagonal block of each later step. Built from per-block first/last document ids
     (docs are non-decreasing), so it costs O(B * (L/128)^2 * steps) small tensor ops, not a pass of the
     mask over every (query, key) pair as create_block_mask would."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     B, L = docs.shape
     Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
     docs = F.pad(docs, (0, Lp - L), value=PAD_DOC)
@@ -255,9 +255,7 @@ def _flex_block_mask(docs: torch.Tensor, steps: int):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    import torch._dynamo
-
-    from torch.nn.attention.flex_attention import flex_attention
+    import torch._dynamo  # why here: ~2.5 s to import; only the compiled (CUDA) path needs it
 
     # One compiled kernel per (padded L, step): a fixed-shape (packed) batch needs ttt_steps of
     # them; padded batches up to max_length/128 * ttt_steps, and past dynamo's default limit it
@@ -272,8 +270,6 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     multiple of the block size; padded keys are masked (causality, or their own document),
     padded query rows are dropped. Compiled on CUDA (eager flex materialises the scores: use it
     only to check the mask)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     B, _, L, _ = q.shape
     Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
     pad = (0, 0, 0, Lp - L)

@@ -8,7 +8,7 @@ With the same batch composition (capture.batch_tokens) the tensors are bit-ident
 offline ones, so training on them gives the same drafter.
 
 The train loop's use (train/loop.py, train.online: true): it keeps the token index
-(train.data.TokenIndex) and batch plan it builds from data/ shards, and replaces
+(train/data.py's TokenIndex) and batch plan it builds from data/ shards, and replaces
 `index.batch(sample_ids, packed_tokens)` by
     online_batch(target, index.samples(sample_ids), recipe.capture.storage_dtype, recipe.capture.batch_tokens, packed_tokens)
 with `target = load_target(...)` loaded once next to the drafter.
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
-
+from ..artifacts import DraftsmithError
+from ..data.batch import Batch, collate
 from ..data.shards import Sample, round_to_storage
-from ..train.data import Batch, collate
 from .capture import capture_samples
 from .model import Target
 
@@ -45,8 +44,6 @@ def online_batch(target: Target, samples: Sequence[Sample], storage_dtype: str =
     the first sample."""
     good, _ = online_samples(target, samples, storage_dtype, batch_tokens)
     if not good:
-        from ..artifacts import DraftsmithError
-
         raise DraftsmithError(f"online capture: sample {samples[0].sample_index}: every sample of the batch has NaN/inf "
                               "hidden states; check the target's dtype (target.dtype float32) and weights")
     return collate(good, packed_tokens)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..draft.model import Eagle3Drafter
+from ..draft.rope import rope_cos_sin
+from ..draft.ttt_attention import TTTMask, resolve_impl
 
 
 @dataclass
@@ -62,8 +64,6 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     of a padded sample, so a packed batch gives the loss of its samples padded.
     `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights).
     `mask`: the batch's draft.ttt_attention.TTTMask, prepared (default: built here from doc_ids)."""
-    from ..draft.ttt_attention import TTTMask
-
     B, L = input_ids.shape
     dev = input_ids.device
     probs, target_argmax = target_distribution(final_hidden, head_weight)
@@ -120,9 +120,6 @@ class TTTLoss(torch.nn.Module):
         self._loss = torch.compile(ttt_loss, backend=compile_backend, dynamic=False) if self.compiled else ttt_loss
 
     def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total, position_ids=None, doc_ids=None):
-        from ..draft.rope import rope_cos_sin
-        from ..draft.ttt_attention import TTTMask, resolve_impl
-
         B, L = input_ids.shape
         mask = TTTMask(doc_ids).prepare(resolve_impl(self.attention, input_ids.device), self.steps, B, L, input_ids.device)
         if self.compiled:  # the rotary tables come from transformers' rope init, which does not trace: look them up eagerly once
