@@ -62,20 +62,64 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 
 
-def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate of optimizer step `step` (1-based): linear warmup, then cosine to lr*min_lr_ratio."""
+def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup, then cosine or linear
+    decay to lr*min_lr_ratio at the last step."""
     if warmup_steps > 0 and step <= warmup_steps:
         return lr * step / warmup_steps
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * shape)
 
 
-def total_steps_of(recipe: Recipe, epoch_tokens: int) -> int:
-    tc = recipe.train
+def epoch_micro_batches(plan_lengths: list[int], epochs: float) -> int:
+    """Micro-batches in `epochs` passes, given the batch-plan lengths of epochs 0, 1, ...: every
+    whole epoch's plan, then the leading share of the next one's (at least one micro-batch)."""
+    whole = int(epochs)
+    total = sum(plan_lengths[:whole])
+    frac = epochs - whole
+    if frac > 0:
+        total += max(1, round(frac * plan_lengths[whole]))
+    return max(1, total)
+
+
+def total_steps_of(tc, plan_length, micro_per_step: int) -> int:
+    """Optimizer steps of the run: max_steps, else as many as `epochs` passes take, counted from
+    the epoch plans (`plan_length(e)` micro-batches in epoch e), so epochs: 2 is two whole passes
+    however the padded batches fill (steps never assume full batches)."""
     if tc.max_steps is not None:
         return int(tc.max_steps)
-    return max(1, math.ceil(tc.epochs * epoch_tokens / tc.batch_tokens))
+    if tc.epochs <= 0:
+        raise DraftsmithError(f"train.epochs {tc.epochs}: must be > 0 (or set train.max_steps)")
+    micro = epoch_micro_batches([plan_length(e) for e in range(math.ceil(tc.epochs))], tc.epochs)
+    return max(1, math.ceil(micro / micro_per_step))
+
+
+def build_optimizers(named: list[tuple[str, torch.nn.Parameter]], tc) -> list[torch.optim.Optimizer]:
+    """The optimizers of the trained tensors (train.optimizer). adamw: one AdamW, weight decay on
+    the 2-D weights only. muon: torch.optim.Muon on the 2-D matrices of fc, attention and MLP
+    (its orthogonalised update suits square-ish matrices; the lm_head is a vocabulary read-out
+    and stays with AdamW, as in speculators), AdamW on the rest. Each group keeps its base lr in
+    `base_lr`; the schedule scales it every step."""
+    def adamw(params, decay):
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay, "base_lr": tc.lr},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "base_lr": tc.lr}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=tc.lr, betas=ADAM_BETAS, eps=1e-8)
+
+    if tc.optimizer == "adamw":
+        return [adamw([p for _, p in named], tc.weight_decay)]
+    if tc.optimizer != "muon":
+        raise DraftsmithError(f"train.optimizer {tc.optimizer!r}: choose adamw or muon")
+    is_matrix = [p.dim() == 2 and min(p.shape) > 1 and not n.endswith("lm_head.weight") for n, p in named]
+    matrices = [p for (_, p), m in zip(named, is_matrix) if m]
+    rest = [p for (_, p), m in zip(named, is_matrix) if not m]
+    muon_lr = tc.muon_lr if tc.muon_lr is not None else tc.lr
+    opts = [torch.optim.Muon([{"params": matrices, "base_lr": muon_lr}], lr=muon_lr, weight_decay=tc.muon_weight_decay,
+                             adjust_lr_fn="match_rms_adamw")]
+    if rest:
+        opts.append(adamw(rest, tc.weight_decay))
+    return opts
 
 
 def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
@@ -256,15 +300,13 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
     del embed, lm_head
     # FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit.
+    if not tc.train_head:
+        drafter.lm_head.weight.requires_grad_(False)
     model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention), info, compute_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = {n: n.removeprefix("drafter.") for n, _ in named}
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
     params = [p for _, p in named]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=ADAM_BETAS, eps=1e-8)
+    opts = build_optimizers(named, tc)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
     # -- data ------------------------------------------------------------------------------
@@ -293,17 +335,29 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     train_ids, heldout_ids = heldout_split(len(index), tc.heldout_samples, recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
     sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
-    total_steps = total_steps_of(recipe, sum(train_lengths))
 
     def plan_of(epoch: int) -> list[list[int]]:
         return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch)]
+
+    plan_lengths: dict[int, int] = {}
+
+    def plan_length(epoch: int) -> int:
+        if epoch not in plan_lengths:
+            plan_lengths[epoch] = len(plan_of(epoch))
+        return plan_lengths[epoch]
+
+    total_steps = total_steps_of(tc, plan_length, micro_per_step)
+    # Micro-batches of the whole run when it is counted in epochs: the last step takes only what
+    # is left of the last epoch (rounded up to the world size, so that every rank has one).
+    total_micro = None if tc.max_steps is not None else epoch_micro_batches(
+        [plan_length(e) for e in range(math.ceil(tc.epochs))], tc.epochs)
 
     # -- resume ----------------------------------------------------------------------------
     step, epoch, position, skipped, in_a_row, best_tau = 0, 0, 0, 0, 0, None
     metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
     window: deque = deque(maxlen=max(1, tc.log_every))
     if latest is not None:
-        meta = load_checkpoint(latest, model, opt, names)
+        meta = load_checkpoint(latest, model, opts, names)
         if meta.get("fingerprint") != fp:
             raise DraftsmithError(f"{latest / 'meta.json'}: checkpoint of other inputs or config (fingerprint {meta.get('fingerprint')}, "
                                   f"now {fp}); delete {out_dir} to start over")
@@ -376,7 +430,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     try:
         while step < total_steps:
             micro_ids = []
-            for _ in range(micro_per_step):
+            n_micro = micro_per_step
+            if total_micro is not None:
+                left = total_micro - sum(plan_length(e) for e in range(epoch)) - position
+                n_micro = min(micro_per_step, max(1, math.ceil(left / info.world_size)) * info.world_size)
+            for _ in range(n_micro):
                 if position >= len(plan):
                     epoch, position = epoch + 1, 0
                     plan = plan_of(epoch)
@@ -386,9 +444,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             weight_total = sample_weights[[j for b in micro_ids for j in b]].sum(0)
             step_tokens = sum(index.lengths[j] for b in micro_ids for j in b)
             step += 1
-            lr = lr_at(step, total_steps, tc.lr, tc.warmup_steps, tc.min_lr_ratio)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            factor = lr_at(step, total_steps, 1.0, tc.warmup_steps, tc.min_lr_ratio, tc.lr_schedule)
+            lr = tc.lr * factor
+            for opt in opts:
+                for group in opt.param_groups:
+                    group["lr"] = group["base_lr"] * factor
 
             sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
             for mi, ids in enumerate(mine):
@@ -405,9 +465,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             loss = float(sums[0])
             grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))))
             ok = math.isfinite(loss) and math.isfinite(grad_norm)
-            if ok:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+            for opt in opts:
+                if ok:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
             if ok:
                 in_a_row = 0
             else:
@@ -477,7 +538,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                         _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"]})
 
             if step % max(1, tc.save_every) == 0 or step == total_steps:
-                folder = save_checkpoint(out_dir, step, model, opt, names, checkpoint_meta(), info)
+                folder = save_checkpoint(out_dir, step, model, opts, names, checkpoint_meta(), info)
                 manifest["checkpoint"] = folder.name
                 if main:
                     write_manifest(out_dir, manifest)
