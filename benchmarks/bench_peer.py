@@ -185,11 +185,7 @@ def measure(args, run_dir: Path, recipe_flags: list[str], seed: int) -> dict:
                                      recipe.target.path, args.depth, recipe.train.max_length)
     row = {"seed": seed, "heldout_acc": ho["acc"], "tau_sim": ablation.simulated_tau(ho["acc"][:args.sim_depth])}
     if not args.no_engine:
-        ev = pipeline.run_stage("evaluate", ablation.recipe_for(args.recipe, run_dir, seed, recipe_flags,
-                                                                ablation.eval_flags(args)))
-        methods = ev["metrics"]["methods"]
-        row.update(tau_chain=methods["eagle3_chain"]["tau"], tau_tree=methods["eagle3_tree"]["tau"],
-                   engine_accept_rate=ev["metrics"]["accept_rate_per_position"])
+        row.update(ablation.engine_taus(args, args.recipe, run_dir, seed, recipe_flags))
     return row
 
 
