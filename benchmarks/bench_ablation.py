@@ -43,6 +43,8 @@ VARIANTS: dict[str, list[str]] = {
     "baseline": [],
     # optimizer and learning rate
     "lr1e-3": ["--train.lr", "1e-3"],
+    "lr3e-3": ["--train.lr", "3e-3"],
+    "lr1e-2": ["--train.lr", "1e-2"],
     "muon": ["--train.optimizer", "muon", "--train.lr", "1e-3"],
     # the head: the target's own rows, trained or frozen
     "head_target": ["--train.head_init", "target"],
@@ -56,6 +58,8 @@ VARIANTS: dict[str, list[str]] = {
     "norm_before_residual": ["--draft.norm_before_residual", "true"],
     "norm_before_fc": ["--draft.norm_before_fc", "true"],
     "all_norms": ["--draft.norm_output", "true", "--draft.norm_before_residual", "true", "--draft.norm_before_fc", "true"],
+    # combinations of the single changes that won
+    "lr3e-3+head_target+norm_output": ["--train.lr", "3e-3", "--train.head_init", "target", "--draft.norm_output", "true"],
     # speculators' whole recipe in our trainer: Muon + AdamW 1e-3, frozen target head, decay 1,
     # linear schedule to 0 with 1% warmup, clip 1.0, AdamW weight decay 0.01, all three norms
     "peer_recipe": ["--train.optimizer", "muon", "--train.lr", "1e-3", "--train.head_init", "target",
