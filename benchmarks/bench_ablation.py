@@ -60,6 +60,13 @@ VARIANTS: dict[str, list[str]] = {
     "all_norms": ["--draft.norm_output", "true", "--draft.norm_before_residual", "true", "--draft.norm_before_fc", "true"],
     # combinations of the single changes that won
     "lr3e-3+head_target+norm_output": ["--train.lr", "3e-3", "--train.head_init", "target", "--draft.norm_output", "true"],
+    # how sensitive the combination is to the lr, and what each remaining single change adds to it
+    "lr1e-3+head_target+norm_output": ["--train.lr", "1e-3", "--train.head_init", "target", "--draft.norm_output", "true"],
+    "lr3e-3+head_target+norm_output+decay1": ["--train.lr", "3e-3", "--train.head_init", "target",
+                                              "--draft.norm_output", "true", "--train.ttt_decay", "1.0"],
+    "lr3e-3+head_target+norm_output+norm_before_residual": ["--train.lr", "3e-3", "--train.head_init", "target",
+                                                             "--draft.norm_output", "true",
+                                                             "--draft.norm_before_residual", "true"],
     # speculators' whole recipe in our trainer: Muon + AdamW 1e-3, frozen target head, decay 1,
     # linear schedule to 0 with 1% warmup, clip 1.0, AdamW weight decay 0.01, all three norms
     "peer_recipe": ["--train.optimizer", "muon", "--train.lr", "1e-3", "--train.head_init", "target",

@@ -161,9 +161,25 @@ def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
     # Its epoch checkpoints are rounded to bf16 (Checkpointer.save_checkpoint); the drafter it
     # trained is the float32 model in memory, written here with its own save_pretrained.
     model.save_pretrained(str(out_dir / "final"))
-    return {"checkpoint": str(out_dir / "final"), "steps": trainer.global_step,
-            "steps_per_epoch": len(loader), "total_seq_len": total_seq_len, "train_s": round(time.time() - t0, 1),
-            "tokens_per_epoch": sum(index.lengths), "defaults": d}
+    trained = {"checkpoint": str(out_dir / "final"), "steps": trainer.global_step,
+               "steps_per_epoch": len(loader), "total_seq_len": total_seq_len, "train_s": round(time.time() - t0, 1),
+               "tokens_per_epoch": sum(index.lengths), "defaults": d}
+    atomic_write_json(out_dir / TRAINED, trained)  # written last: its presence says the checkpoint is whole
+    return trained
+
+
+TRAINED = "trained.json"
+
+
+def trained_peer(args, recipe, seed: int, out_dir: Path) -> dict:
+    """The peer's checkpoint of an earlier run of this seed when it finished (its trained.json), else
+    a fresh training: a rerun after an interruption goes on to the measurement."""
+    if (out_dir / TRAINED).exists() and (out_dir / "final").is_dir():
+        trained = read_json(out_dir / TRAINED)
+        if trained.get("defaults") == PEER_DEFAULTS:
+            print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} is complete; reused", flush=True)
+            return trained
+    return train_peer(args, recipe, seed, out_dir)
 
 
 def import_peer(checkpoint: str, recipe, run_dir: Path) -> dict:
@@ -232,8 +248,13 @@ def main(argv=None) -> int:
 
         theirs_dir = Path(args.work) / f"theirs-s{seed}"
         ablation.link_stages(Path(args.base), theirs_dir)
-        trained = train_peer(args, recipe, seed, theirs_dir / "speculators")
-        info = import_peer(trained["checkpoint"], recipe, theirs_dir)
+        trained = trained_peer(args, recipe, seed, theirs_dir / "speculators")
+        imported = theirs_dir / "train" / "manifest.json"
+        if imported.exists() and read_json(imported).get("status") == "complete" and \
+                Path(read_json(imported).get("imported", {}).get("source", "")).resolve() == Path(trained["checkpoint"]).resolve():
+            info = read_json(imported)["imported"]
+        else:
+            info = import_peer(trained["checkpoint"], recipe, theirs_dir)
         theirs = measure(args, theirs_dir, ours_flags, seed)
         theirs.update({k: v for k, v in trained.items() if k != "defaults"}, imported=info)
         result["theirs"].append(theirs)
