@@ -36,7 +36,7 @@ import torch
 
 from draftsmith import pipeline
 from draftsmith.artifacts import atomic_write_json, read_json, stage_dir
-from draftsmith.cli import parse_recipe
+from draftsmith.config import parse_recipe
 
 # name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is.
 VARIANTS: dict[str, list[str]] = {
@@ -86,7 +86,7 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     folder: argmax of the drafter == argmax of the target (restricted to the draft vocab), the
     training metric, here on conversations the drafter never saw. Returns {acc, weight, loss}."""
     from draftsmith.artifacts import require_complete, verify_shards
-    from draftsmith.draft.build import read_target_embeddings
+    from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex, epoch_plan
     from draftsmith.train.ttt import ttt_loss
     from draftsmith.vocab import draft_ids
@@ -170,7 +170,7 @@ def run_variant(args, name: str, flags: list[str], seed: int, ngram: bool = Fals
     t0 = time.time()
     m = pipeline.run_stage("train", recipe)
     train_s = time.time() - t0
-    from draftsmith.draft.model import load_drafter
+    from draftsmith.draft.io import load_drafter
 
     drafter = load_drafter(run_dir / "train" / "drafter")
     ho = heldout_acceptance(drafter, stage_dir(Path(args.heldout), "capture"), recipe.target.path, args.depth,

@@ -26,8 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith import evaluate as ev  # noqa: E402
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
+from draftsmith.evaluate.measure import timed  # noqa: E402
 from draftsmith.speculate.engine import plain_generate  # noqa: E402
 from draftsmith.speculate.fast import FastTarget  # noqa: E402
 from draftsmith.target.model import Target  # noqa: E402
@@ -68,13 +69,13 @@ def decode_rates(target: Target, paths: list[str], prompt_len: int, new_tokens: 
             t0 = time.perf_counter()
             run(8)  # warm-up: allocation, kernel choice, graph capture, compilation
             warm_s = time.perf_counter() - t0
-            (tokens,), s = ev._timed(dev, lambda: run(new_tokens))
+            (tokens,), s = timed(dev, lambda: run(new_tokens))
             # the prefill is part of `s`; take it out so the rate is the per-token decode rate
-            (_,), s1 = ev._timed(dev, lambda: run(1))
+            (_,), s1 = timed(dev, lambda: run(1))
             rate = (len(tokens) - 1) / max(s - s1, 1e-9)
             ref = ref or tokens
             diff = next((i for i, (x, y) in enumerate(zip(tokens, ref)) if x != y), None)
-            roof = ev.decode_roofline(target, rate)
+            roof = decode_roofline(target, rate)
             out[path] = {"tokens_per_s": rate, "warmup_s": warm_s, "first_token_differing_from_first_path": diff,
                          "fraction_of_measured_bw": roof["fraction_of_measured_bw"],
                          "fraction_of_nominal_bw": roof["fraction_of_nominal_bw"],
@@ -96,7 +97,7 @@ def eager_forward_ms(target: Target, context: int = 128, repeats: int = 20) -> f
     x, ts = torch.zeros(1, 1, dtype=torch.long, device=dev), []
     for i in range(repeats):
         pos = torch.tensor([[context]], device=dev)
-        ts.append(ev._timed(dev, lambda: target.forward(x, past_key_values=cache, position_ids=pos, use_cache=True))[1])
+        ts.append(timed(dev, lambda: target.forward(x, past_key_values=cache, position_ids=pos, use_cache=True))[1])
         cache.crop(context)
     return 1000 * sorted(ts)[len(ts) // 2]
 
@@ -117,7 +118,7 @@ def moe_experts(target_dir: str, device, dtype, batch: int, seq: int) -> dict:
             ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
             with torch.inference_mode():
                 t.forward(ids, with_logits=False)
-                ts = [ev._timed(device, lambda: t.forward(ids, with_logits=False))[1] for _ in range(3)]
+                ts = [timed(device, lambda: t.forward(ids, with_logits=False))[1] for _ in range(3)]
             r = {"forward_tokens_per_s": batch * seq / min(ts)}
             for path in (("off",) if impl == "eager" else ("off", "graphs")):
                 try:

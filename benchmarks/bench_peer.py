@@ -194,7 +194,7 @@ def import_peer(checkpoint: str, recipe, run_dir: Path) -> dict:
 
 def measure(args, run_dir: Path, recipe_flags: list[str], seed: int) -> dict:
     """Held-out acceptance per position and the engine's tau on MT-Bench, as bench_ablation."""
-    from draftsmith.draft.model import load_drafter
+    from draftsmith.draft.io import load_drafter
 
     recipe = ablation.recipe_for(args.recipe, run_dir, seed, recipe_flags)
     ho = ablation.heldout_acceptance(load_drafter(run_dir / "train" / "drafter"), stage_dir(Path(args.heldout), "capture"),

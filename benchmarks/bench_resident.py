@@ -21,10 +21,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith import evaluate as ev  # noqa: E402
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
-from draftsmith.cli import parse_recipe  # noqa: E402
+from draftsmith.config import parse_recipe  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
+from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
+from draftsmith.evaluate.measure import DecodeRunners, evaluate_batch, run_method, run_plain  # noqa: E402
+from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.target.model import eos_token_ids  # noqa: E402
 
 LOOPS = {"host": False, "resident": True}
 
@@ -43,19 +46,19 @@ def main(argv=None) -> int:
     cfg = replace(recipe.evaluate, max_new_tokens=a.max_new_tokens, temperature=0.0)
     if a.fast:
         cfg = replace(cfg, fast=a.fast)
-    target, drafter = ev.load_models(recipe, Path(recipe.run_dir) / "train" / "drafter")
-    paths = ev.Paths(target, drafter, cfg.fast)
-    eos = ev.eos_token_ids(target)
+    target, drafter = load_models(recipe, Path(recipe.run_dir) / "train" / "drafter")
+    runners = DecodeRunners(target, drafter, cfg.fast)
+    eos = eos_token_ids(target)
     bench = cfg.benchmarks[0]
-    prompts = [ev.render_prompt(target.tokenizer, p.turns[0], f"{bench}: {p.id}") for p in load_prompts(bench, a.num_prompts)]
-    print(f"[bench_resident] path {paths.mode}, {len(prompts)} prompts of {bench}, {a.max_new_tokens} new tokens", flush=True)
+    prompts = [render_prompt(target.tokenizer, p.turns[0], f"{bench}: {p.id}") for p in load_prompts(bench, a.num_prompts)]
+    print(f"[bench_resident] path {runners.mode}, {len(prompts)} prompts of {bench}, {a.max_new_tokens} new tokens", flush=True)
     t0 = time.perf_counter()
     cfgs = {name: replace(cfg, resident=flag) for name, flag in LOOPS.items()}
     for B in a.batch_sizes:  # warm-up: graphs captured for every shape, both loops
         for c in cfgs.values():
-            ev.evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, replace(c, max_new_tokens=16), a.methods, eos, 0,
-                              paths=paths)
-    result = {"recipe": a.recipe, "path": paths.mode, "max_new_tokens": a.max_new_tokens, "num_prompts": len(prompts),
+            evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, replace(c, max_new_tokens=16), a.methods, eos, 0,
+                              runners=runners)
+    result = {"recipe": a.recipe, "path": runners.mode, "max_new_tokens": a.max_new_tokens, "num_prompts": len(prompts),
               "device": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "batches": {}}
     for B in a.batch_sizes:
@@ -64,12 +67,12 @@ def main(argv=None) -> int:
                for m in a.methods for n in LOOPS}
         for j in range(0, len(prompts) - B + 1, B):
             chunk = prompts[j:j + B]
-            plain, plain_s = ev.run_plain(target, chunk, cfg, eos, None, paths)
+            plain, plain_s = run_plain(target, chunk, cfg, eos, None, runners)
             acc["plain_s"] += plain_s
             acc["plain_tokens"] += sum(map(len, plain))
             for m in a.methods:
                 for n, c in cfgs.items():
-                    new, stats, s = ev.run_method(target, drafter, m, chunk, c, eos, paths=paths)
+                    new, stats, s = run_method(target, drafter, m, chunk, c, eos, runners=runners)
                     r = per[(m, n)]
                     r["spec_s"] += s
                     r["rounds"] += max(st.rounds for st in stats)  # batch rounds: the longest sequence's
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
                     r["sequences"] += len(new)
         row = {"plain_tokens_per_s": round(acc["plain_tokens"] / acc["plain_s"], 1), "methods": {}}
         if B == 1:
-            row["plain_roofline"] = ev.decode_roofline(target, row["plain_tokens_per_s"])
+            row["plain_roofline"] = decode_roofline(target, row["plain_tokens_per_s"])
         for (m, n), r in per.items():
             row["methods"].setdefault(m, {})[n] = {
                 "tau": round(r["emitted"] / max(r["rounds"], 1), 3) if B == 1 else None,

@@ -26,10 +26,14 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith import evaluate as ev  # noqa: E402
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
 from draftsmith.config import EvaluateConfig, Recipe, TargetConfig  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
+from draftsmith.evaluate.costs import decode_roofline, measure_step_costs  # noqa: E402
+from draftsmith.evaluate.measure import DecodeRunners, evaluate_batch, evaluate_prompt  # noqa: E402
+from draftsmith.evaluate.report import fmt, ratio, summarize  # noqa: E402
+from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.target.model import eos_token_ids  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -61,51 +65,51 @@ def main(argv=None) -> int:
                                         aux_layer_ids=t.get("aux_layer_ids")))
     cfg = EvaluateConfig(max_new_tokens=a.max_new_tokens, draft_steps=a.draft_steps, tree_depth=a.tree_depth,
                          tree_topk=a.tree_topk, tree_budget=a.tree_budget, methods=["eagle3_chain", "eagle3_tree", "ngram"])
-    target, drafter = ev.load_models(recipe, run_dir / "train" / "drafter")
-    paths = ev.Paths(target, drafter, a.fast)
-    print(f"[bench] decoding path: {paths.mode}", flush=True)
-    eos = ev.eos_token_ids(target)
-    prompts = [ev.render_prompt(target.tokenizer, p.turns[0], f"{a.benchmark}: {p.id}")
+    target, drafter = load_models(recipe, run_dir / "train" / "drafter")
+    runners = DecodeRunners(target, drafter, a.fast)
+    print(f"[bench] decoding path: {runners.mode}", flush=True)
+    eos = eos_token_ids(target)
+    prompts = [render_prompt(target.tokenizer, p.turns[0], f"{a.benchmark}: {p.id}")
                for p in load_prompts(a.benchmark, a.num_prompts)]
     methods = cfg.methods
     t0 = time.perf_counter()
 
     # warm-up (allocator, kernels, cuBLAS heuristics) on every method and batch shape
     warm = replace(cfg, max_new_tokens=16)
-    ev.evaluate_prompt(target, drafter, prompts[0], warm, methods, eos, 0, "warm-up", paths=paths)
+    evaluate_prompt(target, drafter, prompts[0], warm, methods, eos, 0, "warm-up", runners=runners)
     for B in a.batch_sizes:
-        ev.evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, warm, methods, eos, 0, paths=paths)
+        evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, warm, methods, eos, 0, runners=runners)
 
     records = []
     for i, ids in enumerate(prompts):
-        rec = ev.evaluate_prompt(target, drafter, ids, cfg, methods, eos, i, f"{a.benchmark}: prompt {i}", paths=paths)
+        rec = evaluate_prompt(target, drafter, ids, cfg, methods, eos, i, f"{a.benchmark}: prompt {i}", runners=runners)
         records.append({"benchmark": a.benchmark, **rec})
         print(f"[bench] prompt {i + 1}/{len(prompts)}: " + ", ".join(
-            f"{m} tau {ev._f(r['emitted'] / max(r['rounds'], 1))} x{ev._f(rec['plain_s'] / r['spec_s'])}"
+            f"{m} tau {fmt(r['emitted'] / max(r['rounds'], 1))} x{fmt(rec['plain_s'] / r['spec_s'])}"
             for m, r in rec["methods"].items()), flush=True)
     batch_records = []
     for B in a.batch_sizes:
         for j in range(0, len(prompts) - B + 1, B):
-            batch_records.append(ev.evaluate_batch(target, drafter, prompts[j:j + B],
+            batch_records.append(evaluate_batch(target, drafter, prompts[j:j + B],
                                                    [r["plain_tokens"] for r in records[j:j + B]], cfg, methods, eos, j,
-                                                   paths=paths))
-    summary = ev.summarize(records, batch_records, cfg, methods)
+                                                   runners=runners))
+    summary = summarize(records, batch_records, cfg, methods)
     m = {k: s["overall"] for k, s in summary["methods"].items()}
     best = {B: max((row["methods"][x]["speedup"] or 0) for x in ("eagle3_chain", "eagle3_tree"))
             for B, row in summary["batches"].items()}
     out = {
         "tau_mtbench_chain": m["eagle3_chain"]["tau"], "tau_mtbench_tree": m["eagle3_tree"]["tau"],
         "speedup_bs1_chain": m["eagle3_chain"]["speedup"], "speedup_bs1_tree": m["eagle3_tree"]["speedup"],
-        "speedup_over_tau_bs1": ev._ratio(m["eagle3_tree"]["speedup"], m["eagle3_tree"]["tau"]),
-        "speedup_over_tau_bs1_chain": ev._ratio(m["eagle3_chain"]["speedup"], m["eagle3_chain"]["tau"]),
+        "speedup_over_tau_bs1": ratio(m["eagle3_tree"]["speedup"], m["eagle3_tree"]["tau"]),
+        "speedup_over_tau_bs1_chain": ratio(m["eagle3_chain"]["speedup"], m["eagle3_chain"]["tau"]),
         "speedup_bs4": best.get("4"), "speedup_bs16": best.get("16"),
         "ngram_speedup_bs1": m["ngram"]["speedup"], "tau_ngram": m["ngram"]["tau"],
         "tokens_per_s_plain_bs1": summary["plain"]["tokens_per_s"],
         "batches": summary["batches"],
         "lossless": {k: s.get("lossless") for k, s in summary["methods"].items()},
-        "path": paths.mode,
-        "roofline_bs1": ev.decode_roofline(target, summary["plain"]["tokens_per_s"]),
-        "step_costs": ev.measure_step_costs(target, drafter, prompts[0] + records[0]["plain_tokens"], paths=paths),
+        "path": runners.mode,
+        "roofline_bs1": decode_roofline(target, summary["plain"]["tokens_per_s"]),
+        "step_costs": measure_step_costs(target, drafter, prompts[0] + records[0]["plain_tokens"], runners=runners),
         "config": {**vars(a), "device_name": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
                    "dtype_resolved": str(target.dtype), "torch": torch.__version__},
         "wall_s": time.perf_counter() - t0,

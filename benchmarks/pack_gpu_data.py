@@ -1,6 +1,7 @@
 """Pack what the GPU benchmark needs into build/gpu (the GPU machine has no network and a 64 MiB upload):
 the first 12M training tokens of build/corpus (from `reference_target.py corpus`), its tokenizer,
-ShareGPT records 12,000-15,999 (gzipped JSONL), MT-Bench questions and HumanEval.
+ShareGPT records 12,000 to the end of the truncated file (17,671 records; gzipped JSONL: never seen by
+either reference target), MT-Bench questions and HumanEval.
 
     python benchmarks/pack_gpu_data.py
 """
@@ -24,11 +25,11 @@ meta.update(train_tokens=12_000_000, note="first 12M train tokens of build/corpu
 (out / "corpus.json").write_text(json.dumps(meta, indent=2))
 shutil.copytree(src / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
 path, fmt = resolve_source("sharegpt")
-with gzip.open(out / "sharegpt_12000_16000.jsonl.gz", "wt") as f:
+n = 0
+with gzip.open(out / "sharegpt_12000_end.jsonl.gz", "wt") as f:
     for index, _, rec in iter_records(path, fmt, ReadStats(), start=12000):
-        if index >= 16000:
-            break
         f.write(json.dumps(rec) + "\n")
+        n += 1
 shutil.copy(resolve_source("mtbench")[0], out / "mtbench_question.jsonl")
 shutil.copy(resolve_source("humaneval")[0], out / "HumanEval.jsonl.gz")
-print(f"packed {out}")
+print(f"packed {out}: ShareGPT records 12,000..{12000 + n - 1}")

@@ -23,9 +23,11 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith import evaluate as ev  # noqa: E402
-from draftsmith.cli import parse_recipe  # noqa: E402
+from draftsmith.config import parse_recipe  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
+from draftsmith.evaluate.measure import DecodeRunners, run_method  # noqa: E402
+from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.target.model import eos_token_ids  # noqa: E402
 
 
 def busy_ms(events) -> float:
@@ -53,19 +55,19 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     recipe, _ = parse_recipe([a.recipe])
     cfg = recipe.evaluate
-    target, drafter = ev.load_models(recipe, Path(recipe.run_dir) / "train" / "drafter")
-    paths = ev.Paths(target, drafter, cfg.fast)
-    eos = ev.eos_token_ids(target)
+    target, drafter = load_models(recipe, Path(recipe.run_dir) / "train" / "drafter")
+    runners = DecodeRunners(target, drafter, cfg.fast)
+    eos = eos_token_ids(target)
     p = load_prompts(cfg.benchmarks[0], 1)[0]
-    prompt = ev.render_prompt(target.tokenizer, p.turns[0], f"{cfg.benchmarks[0]}: {p.id}")
+    prompt = render_prompt(target.tokenizer, p.turns[0], f"{cfg.benchmarks[0]}: {p.id}")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
-    result = {"recipe": a.recipe, "decoding_path": paths.mode, "max_new_tokens": a.max_new_tokens, "methods": {}}
+    result = {"recipe": a.recipe, "decoding_path": runners.mode, "max_new_tokens": a.max_new_tokens, "methods": {}}
     for method in a.methods:
-        ev.run_method(target, drafter, method, [prompt], cfg, eos, max_new_tokens=a.max_new_tokens, paths=paths)
+        run_method(target, drafter, method, [prompt], cfg, eos, max_new_tokens=a.max_new_tokens, runners=runners)
         t0 = time.perf_counter()
         with profile(activities=acts) as prof:
-            _, stats, _ = ev.run_method(target, drafter, method, [prompt], cfg, eos, max_new_tokens=a.max_new_tokens,
-                                        paths=paths)
+            _, stats, _ = run_method(target, drafter, method, [prompt], cfg, eos, max_new_tokens=a.max_new_tokens,
+                                        runners=runners)
         wall = 1000 * (time.perf_counter() - t0)
         rounds = stats[0].rounds
         table = sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:a.top]

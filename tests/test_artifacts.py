@@ -2,7 +2,7 @@
 the ledger and the manifests, while the other ranks still read them to skip or resume."""
 from __future__ import annotations
 
-import sys
+import dataclasses
 import types
 from pathlib import Path
 
@@ -81,8 +81,8 @@ def _tiny_recipe(tmp_path: Path) -> Recipe:
 
 @pytest.fixture
 def fake_stage(monkeypatch):
-    """`prepare` replaced by a stage module that records its calls; fingerprint fixed."""
-    mod = types.ModuleType("draftsmith_fake_stage")
+    """`prepare`'s entry in the stage table replaced by a stage that records its calls; fingerprint fixed."""
+    mod = types.SimpleNamespace()
     mod.calls = []
     mod.rank0 = None  # when set: called after this rank's writes, to stand for rank 0 finishing
 
@@ -98,8 +98,7 @@ def fake_stage(monkeypatch):
         return m
 
     mod.run = run
-    monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    monkeypatch.setitem(pipeline.STAGE_DEPS, "prepare", (mod.__name__, ("prepare",), ()))
+    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], run=run))
     monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir: "fp-prepare")
     return mod
 

@@ -22,7 +22,7 @@ from draftsmith.artifacts import DraftsmithError, load_manifest
 from draftsmith.cli import main, parse_recipe
 from draftsmith.data.shards import decode_fp8, decode_hidden, encode_fp8, read_hidden_rows, read_shard, round_to_storage
 from draftsmith.pipeline import run_stage
-from draftsmith.target.capture import bytes_per_token
+from draftsmith.data.shards import bytes_per_token
 from draftsmith.testing import make_model_dir
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

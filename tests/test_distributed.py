@@ -10,9 +10,9 @@ import torch.multiprocessing as mp
 
 import draftsmith.train.loop as loop
 from draftsmith.artifacts import read_json
-from draftsmith.draft.model import load_drafter
+from draftsmith.draft.io import load_drafter
 from draftsmith.testing import make_model_dir
-from draftsmith.train.distributed import destroy_distributed
+from draftsmith.distributed import destroy_distributed
 from test_train import losses, make_run, toy_samples
 
 # fp32 on CPU: 2 ranks differ from 1 only by the order of float sums (gradient reduce-scatter,

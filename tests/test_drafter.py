@@ -7,7 +7,8 @@ from safetensors.torch import load_file, save_file
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import default_intermediate_size, drafter_config, init_drafter, rope_settings
-from draftsmith.draft.model import DraftKVCache, Eagle3Config, load_drafter, save_drafter
+from draftsmith.draft.io import load_drafter, save_drafter
+from draftsmith.draft.model import DraftKVCache, Eagle3Config
 from draftsmith.testing import tiny_config
 
 H, V, VD = 32, 50, 20

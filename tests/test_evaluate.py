@@ -6,11 +6,12 @@ import json
 import pytest
 import torch
 
-from draftsmith import evaluate, pipeline
+from draftsmith import pipeline
+from draftsmith.evaluate import measure, stage
 from draftsmith.artifacts import DraftsmithError, Ledger, load_manifest, new_manifest, finish_manifest, read_json
 from draftsmith.config import DraftConfig, EvaluateConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
-from draftsmith.draft.model import save_drafter
+from draftsmith.draft.io import save_drafter
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
@@ -72,15 +73,15 @@ def test_evaluate_stage(recipe, capsys):
 
 def test_turn_two_follows_the_targets_answer(recipe, monkeypatch):
     seen = []
-    real = evaluate.render_prompt
-    monkeypatch.setattr(evaluate, "render_prompt", lambda tok, msgs, where: seen.append(msgs) or real(tok, msgs, where))
+    real = stage.render_prompt
+    monkeypatch.setattr(stage, "render_prompt", lambda tok, msgs, where: seen.append(msgs) or real(tok, msgs, where))
     recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["ngram"], [1], False
     pipeline.run_stage("evaluate", recipe)
     res = read_json(recipe.run_dir + "/eval/results.json")
     first = res["prompts"][3]
     turn2 = seen[-1]
     assert [m["role"] for m in turn2] == ["user", "assistant", "user"] and turn2[2]["content"] == "Write it again."
-    assert turn2[1]["content"] == evaluate.answer_text(load_target(recipe.target.path).tokenizer, first["plain_tokens"],
+    assert turn2[1]["content"] == stage.answer_text(load_target(recipe.target.path).tokenizer, first["plain_tokens"],
                                                        res["eos_ids"])
 
 
@@ -94,23 +95,23 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
     lines = open(eval_dir + "/partial.jsonl").read().splitlines()
     open(eval_dir + "/partial.jsonl", "w").write("\n".join(lines[:2]) + "\n" + lines[2][:20])  # torn last line
     calls = []
-    real = evaluate.evaluate_prompt
-    monkeypatch.setattr(evaluate, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
+    real = stage.evaluate_prompt
+    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     m2 = pipeline.run_stage("evaluate", recipe)
     assert m2["status"] == "complete" and m2["metrics"]["num_prompts"] == 5
     assert [c.rsplit(": ", 1)[-1] for c in calls] == ["prompt q2", "prompt mt", "prompt mt turn 2"]
 
 
 def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):
-    real = evaluate.generate
+    real = measure.generate
 
     def broken(target, proposer, prompts, n, *a, **kw):
         new, st = real(target, proposer, prompts, n, *a, **kw)
-        if isinstance(proposer, evaluate.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
+        if isinstance(proposer, measure.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
             new[0][5] = (new[0][5] + 1) % target.vocab_size
         return new, st
 
-    monkeypatch.setattr(evaluate, "generate", broken)
+    monkeypatch.setattr(measure, "generate", broken)
     recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_tree"], [1], False
     with pytest.raises(DraftsmithError, match=r"prompt q0: eagle3_tree: speculative output differs .* at new token 5"):
         pipeline.run_stage("evaluate", recipe)
@@ -168,12 +169,12 @@ def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):
 
 def test_divergence_classes():
     """A divergence is a bug only when an independent forward sides with plain decoding."""
-    tol = evaluate.TIE_TOLERANCE[torch.bfloat16]
-    assert evaluate.classify_divergence((0.0, tol / 2), torch.bfloat16) == "tie"
-    assert evaluate.classify_divergence((3 * tol, 2 * tol), torch.bfloat16) == "numeric"
-    assert evaluate.classify_divergence((0.0, 2 * tol), torch.bfloat16) == "bug"
-    assert evaluate.classify_divergence(None, torch.bfloat16) == "bug"  # one side ended early
-    assert evaluate.classify_divergence((0.0, 1e-3), torch.float32) == "bug"  # fp32 tolerance is 1e-5
+    tol = measure.TIE_TOLERANCE[torch.bfloat16]
+    assert measure.classify_divergence((0.0, tol / 2), torch.bfloat16) == "tie"
+    assert measure.classify_divergence((3 * tol, 2 * tol), torch.bfloat16) == "numeric"
+    assert measure.classify_divergence((0.0, 2 * tol), torch.bfloat16) == "bug"
+    assert measure.classify_divergence(None, torch.bfloat16) == "bug"  # one side ended early
+    assert measure.classify_divergence((0.0, 1e-3), torch.float32) == "bug"  # fp32 tolerance is 1e-5
 
 
 def test_lossless_check_stops_on_a_bug_and_names_the_gaps(tmp_path):
@@ -186,10 +187,10 @@ def test_lossless_check_stops_on_a_bug_and_names_the_gaps(tmp_path):
     plain = plain_generate(target, prompt, 8)
     spec = plain[:3] + [(plain[3] + 1) % 100] + plain[4:]  # not the argmax there
     with pytest.raises(DraftsmithError, match=r"at new token 3 .*logit gaps to its top: plain 0, speculative \d"):
-        evaluate.lossless_check(target, prompt, plain, spec, True, "p1", "eagle3_tree")
-    rec = evaluate.lossless_check(target, prompt, plain, spec, False, "p1", "eagle3_tree")
+        measure.lossless_check(target, prompt, plain, spec, True, "p1", "eagle3_tree")
+    rec = measure.lossless_check(target, prompt, plain, spec, False, "p1", "eagle3_tree")
     assert (rec["lossless"], rec["first_difference"], rec["divergence"]) == (False, 3, "bug")
-    assert evaluate.lossless_check(target, prompt, plain, list(plain), True, "p1", "ngram")["lossless"]
+    assert measure.lossless_check(target, prompt, plain, list(plain), True, "p1", "ngram")["lossless"]
 
 
 def test_bench_resident_smoke(recipe, tmp_path):

@@ -11,8 +11,10 @@ from draftsmith import pipeline
 from draftsmith.artifacts import DraftsmithError, finish_manifest, new_manifest
 from draftsmith.config import DraftConfig, ExportConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
-from draftsmith.draft.model import DraftKVCache, save_drafter
-from draftsmith.export.sglang import export_sglang, load_sglang, required_shapes
+from draftsmith.draft.io import save_drafter
+from draftsmith.draft.model import DraftKVCache
+from draftsmith.export.importer import load_sglang
+from draftsmith.export.sglang import export_sglang, required_shapes
 from draftsmith.testing import make_model_dir
 
 EXPECTED_KEYS = {

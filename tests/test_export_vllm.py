@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
-from draftsmith.draft.model import save_drafter
+from draftsmith.draft.io import save_drafter
 from draftsmith.export.conventions import from_sglang, from_vllm, to_sglang, to_vllm
 from draftsmith.export.sglang import required_shapes
 from draftsmith.export.vllm import export_vllm

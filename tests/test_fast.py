@@ -138,17 +138,17 @@ def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
 def test_auto_falls_back_to_eager_where_the_fast_path_cannot_run(tmp_path, monkeypatch):
     """A target with sliding-window layers (gpt-oss) has no plain static cache: an explicit fast
     mode is a clear error; `auto` (graphs on a GPU, simulated here) falls back to eager decoding."""
-    from draftsmith import evaluate
+    from draftsmith.evaluate.measure import DecodeRunners
     from draftsmith.speculate import fast
 
     path = make_model_dir(tmp_path, arch="gpt_oss", num_layers=2)
     target = load_target(path, device="cpu", dtype="float32")
     with pytest.raises(DraftsmithError, match="sliding-window layers\\); set evaluate.fast: off"):
-        evaluate.Paths(target, None, "static").get(1)
+        DecodeRunners(target, None, "static").get(1)
     with pytest.raises(DraftsmithError, match="set regenerate.fast: off"):  # the field that chose it
         fast.fast_target_or_none(target, "static", "static", "regenerate.fast", "transformers generate")
     monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": "static" if mode == "auto" else mode)
-    paths = evaluate.Paths(target, None, "auto")
+    paths = DecodeRunners(target, None, "auto")
     assert paths.get(1) == (None, None) and paths.mode == "off"
 
 

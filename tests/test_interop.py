@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from draftsmith import pipeline
 from draftsmith.artifacts import DraftsmithError, sha256_file
 from draftsmith.config import ExportConfig, Recipe, TargetConfig
-from draftsmith.draft.model import load_drafter
+from draftsmith.draft.io import load_drafter
 from draftsmith.export.importer import import_drafter
 from draftsmith.export.sglang import export_sglang
 from draftsmith.export.vllm import export_vllm
@@ -64,7 +64,8 @@ def with_flags(drafter, folder, **flags):
     norm applied in the wrong place then changes the logits), saved to `folder`."""
     from dataclasses import replace
 
-    from draftsmith.draft.model import Eagle3Drafter, save_drafter
+    from draftsmith.draft.io import save_drafter
+    from draftsmith.draft.model import Eagle3Drafter
 
     d = Eagle3Drafter(replace(drafter.cfg, **flags))
     d.load_state_dict(drafter.state_dict(), strict=False)

@@ -12,9 +12,9 @@ import yaml
 from draftsmith.artifacts import DraftsmithError, load_manifest
 from draftsmith.cli import parse_recipe
 from draftsmith.data.shards import read_shard
-from draftsmith.draft.build import drafter_config, init_drafter, read_target_embeddings
+from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.pipeline import run_stage
-from draftsmith.target.model import load_target
+from draftsmith.target.model import load_target, read_target_embeddings
 from draftsmith.target.online import online_batch, online_samples
 from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import CaptureIndex, epoch_plan

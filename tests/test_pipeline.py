@@ -80,6 +80,46 @@ def test_run_then_skip(tmp_path, target, capsys):
     assert started[-1] == "train"
 
 
+def test_stage_table_is_what_the_cli_and_status_list(capsys):
+    """One table: the pipeline runs its stages in config.STAGES order (what status reads without
+    importing them), and `draftsmith --help` lists each with its help."""
+    from draftsmith.config import STAGES
+    from draftsmith.pipeline import STAGE_TABLE
+
+    assert tuple(STAGE_TABLE) == STAGES
+    assert all(set(s.upstream) <= set(STAGES[:STAGES.index(name)]) for name, s in STAGE_TABLE.items())
+    assert main(["--help"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"  {name:<10} {s.help}" in printed for name, s in STAGE_TABLE.items()) and "  run " in printed
+
+
+@pytest.mark.parametrize("command", ["run", "train", "plan", "doctor", "probe-layers", "status", "import-drafter", "bench-serve"])
+def test_every_flag_has_help(command, capsys):
+    """`draftsmith COMMAND --help` gives every flag a sentence, not only its type (jsonargparse shows a
+    field's docstring; argparse-built tools pass help=), and names the positional arguments."""
+    try:
+        main([command, "--help"])
+    except SystemExit:  # argparse's --help exits
+        pass
+    text = capsys.readouterr().out
+    blocks: list[list[str]] = []
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            blocks.append([line.strip()])
+        elif blocks and line.startswith("    ") and line.strip():
+            blocks[-1].append(line.strip())
+    bare = []
+    for b in blocks:
+        head = b[0].split("  ", 1)  # "--flag METAVAR  help text" or "--flag METAVAR" + lines below
+        rest = " ".join(([head[1].strip()] if len(head) > 1 else []) + b[1:])
+        if not rest or rest.startswith("(type:"):
+            bare.append(b[0].split()[0])
+    assert blocks and not bare, f"flags without help: {bare}"
+    usage = " ".join(text.split("usage:", 1)[1].split())
+    if command in ("probe-layers", "doctor"):
+        assert "RECIPE.yaml" in usage
+
+
 def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     recipe = write_recipe(tmp_path, target, tmp_path / "run")
     assert main(["run", str(recipe), "--train.bogus", "1"]) == 2

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from draftsmith import plan
+from draftsmith import costmodel, plan
 from draftsmith.cli import main
 
 # Kimi-K2.5's text config (DeepSeek-V3 architecture) and its INT4 expert quantization: the
@@ -70,13 +70,13 @@ def test_parameter_counts_match_transformers(arch):
                                                       qk_rope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1, **kw)}[arch]()
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg)
-    spec = plan.target_spec(cfg.to_dict())
+    spec = costmodel.target_spec(cfg.to_dict())
     assert spec.total_params() == sum(p.numel() for p in model.parameters())
     assert spec.moe_layers == {"llama": 0, "qwen3_moe": 3, "deepseek_v3": 2}[arch]
 
 
 def test_kimi_spec_and_expert_traffic():
-    s = plan.target_spec(KIMI_K25)
+    s = costmodel.target_spec(KIMI_K25)
     assert s.num_layers == 61 and s.moe_layers == 60 and s.num_experts == 384 and s.mtp_layers == 0
     assert 1.02e12 < s.total_params() < 1.04e12  # Kimi-K2: 1.04T total, 32B active
     assert 32e9 < s.dense_params + s.expert_params * s.moe_layers * 8 < 34e9
@@ -90,8 +90,8 @@ def test_kimi_spec_and_expert_traffic():
 
 
 def test_calibration_reproduces_measured_decode():
-    s = plan.target_spec(KIMI_K25)
-    cost = plan.RooflineCost(s, plan.HARDWARE["pcie-8x"], drafter_params=plan.drafter_params(s, 32000, KIMI_K25))
+    s = costmodel.target_spec(KIMI_K25)
+    cost = costmodel.RooflineCost(s, costmodel.HARDWARE["pcie-8x"], drafter_params=costmodel.drafter_params(s, 32000, KIMI_K25))
     cal = cost.calibrate(12.1, 0.515)
     assert cal.verify_ms(1) == pytest.approx(12.1, rel=1e-9)
     assert cal.comm_ms(1, 61) / cal.verify_ms(1) == pytest.approx(0.515, rel=1e-9)
@@ -103,11 +103,11 @@ def test_calibration_reproduces_measured_decode():
 
 
 def test_measured_costs_interpolate():
-    c = plan.MeasuredCost.from_json({"target_forward_ms": {"1": 10, "4": 13, "8": 21}, "draft_step_ms": 1})
+    c = costmodel.MeasuredCost.from_json({"target_forward_ms": {"1": 10, "4": 13, "8": 21}, "draft_step_ms": 1})
     assert c.verify_ms(1) == 10 and c.verify_ms(2) == pytest.approx(11) and c.verify_ms(6) == pytest.approx(17)
     assert c.verify_ms(16) == pytest.approx(37)  # extrapolated from the last two points
     with pytest.raises(plan.DraftsmithError, match="no entry for 1 token"):
-        plan.MeasuredCost.from_json({"target_forward_ms": {"2": 1}}, "x.json")
+        costmodel.MeasuredCost.from_json({"target_forward_ms": {"2": 1}}, "x.json")
 
 
 def test_plan_cli_and_run_dir(tmp_path, capsys):

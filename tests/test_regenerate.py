@@ -202,19 +202,53 @@ def test_turns_past_max_length_are_not_generated():
 
     calls = []
 
-    def generate(prompts):
+    def generate(prompts, answer_ids):
         calls.append(len(prompts))
-        return [Answer(text="x" * 10) for _ in prompts]
+        assert [len(a) for a in answer_ids] == [sum(m["role"] == "assistant" for m in p) for p in prompts]
+        return [Answer(text="x" * 10, ids=[7] * 10) for _ in prompts]
 
     long = [m for i in range(5) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "old"})]
     short = long[:4]
-    fits = lambda msgs: sum(len(m["content"]) for m in msgs) < 25  # noqa: E731  (2 answers of 10 fit, a 3rd does not)
-    [(a, fa), (b, fb)] = regenerate_conversations(generate, [long, short], fits)
-    assert fa is fb is None and calls == [2, 2]  # round 3 of `long` is skipped: its prompt no longer fits
-    assert [m["content"] for m in a] == ["q0", "x" * 10, "q1", "x" * 10, "q2"]  # ends before the cut turn
-    assert [m["content"] for m in b] == ["q0", "x" * 10, "q1", "x" * 10]
+    fits = lambda msgs, ids: sum(len(m["content"]) for m in msgs) < 25  # noqa: E731  (2 answers of 10 fit, a 3rd does not)
+    a, b = regenerate_conversations(generate, [long, short], fits)
+    assert a.error is b.error is None and calls == [2, 2]  # round 3 of `long` is skipped: its prompt no longer fits
+    assert [m["content"] for m in a.messages] == ["q0", "x" * 10, "q1", "x" * 10, "q2"]  # ends before the cut turn
+    assert [m["content"] for m in b.messages] == ["q0", "x" * 10, "q1", "x" * 10]
+    assert [x.ids for x in a.answers] == [[7] * 10] * 2
     everything = regenerate_conversations(generate, [long])  # no limit: every turn
-    assert calls[2:] == [1] * 5 and everything[0][0][-1]["content"] == "x" * 10
+    assert calls[2:] == [1] * 5 and everything[0].messages[-1]["content"] == "x" * 10
+
+
+def test_regenerated_samples_hold_the_targets_own_tokens(tmp_path):
+    """Local decoding keeps the token ids the target produced: every content token of a regenerated
+    sample is the target's greedy choice given the sample's tokens before it (decode -> encode is not
+    the identity: a random model's answers re-encode differently almost every time), and each turn's
+    prefix in the sample is the very prompt the target answered (two-turn conversation included)."""
+    from draftsmith.testing import make_model_dir
+
+    target = make_model_dir(tmp_path / "target", seed=3)
+    args = _recipe(tmp_path, batch_size=4, keep_truncated=True, max_new_tokens=12)
+    recipe = parse_recipe(args)[0]
+    recipe.target.path = str(target)
+    run_stage("prepare", recipe)
+    m = run_stage("regenerate", recipe)
+    assert m["counts"]["kept"] == 7 and m["counts"]["prompt_mismatch"] == 0 and m["counts"]["answers_reencoded"] == 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    special = set(tok.all_special_ids)
+    samples = [s for p in sorted((tmp_path / "run" / "regen").glob("shard-*.safetensors")) for s in read_shard(p, False)]
+    for s in samples:
+        ids = s.input_ids
+        with torch.no_grad():
+            greedy = model(ids[None]).logits[0].argmax(-1)
+        content = [t for t in range(1, len(ids)) if s.loss_mask[t] and int(ids[t]) not in special]
+        assert content and all(int(greedy[t - 1]) == int(ids[t]) for t in content)
+    # the case this guards against occurs here: re-encoding the text gives other tokens
+    reencoded = sum(ids != tok(tok.decode(ids, skip_special_tokens=False), add_special_tokens=False)["input_ids"]
+                    for ids in [s.input_ids.tolist() for s in samples])
+    assert reencoded > 0
 
 
 def test_local_fast_path_matches_generate(tmp_path):

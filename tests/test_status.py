@@ -107,6 +107,7 @@ def test_all_done_json_and_brief(tmp_path, capsys):
 
 
 SECTIONS = ["Goal", "Instructions", "Discoveries", "Accomplished", "Relevant files", "Immediate next step", "Sources"]
+# (a Findings section comes before the next step when the figures hold one: test_findings_...)
 
 
 def test_seven_sections_every_figure_sourced(tmp_path):
@@ -149,3 +150,60 @@ def test_failure_hint(tmp_path):
     st = status.collect(run)
     assert "lower the stage's batch_tokens" in st["next_step"]["text"]
     assert next(s for s in st["stages"] if s["stage"] == "train")["fix_hint"].startswith("lower")
+
+
+def _set(run, stage, **kw):
+    """Overwrite fields of a stage's manifest (dicts are merged one level deep)."""
+    p = stage_dir(run, stage) / "manifest.json"
+    m = json.loads(p.read_text())
+    for k, v in kw.items():
+        m[k] = {**m.get(k, {}), **v} if isinstance(v, dict) else v
+    p.write_text(json.dumps(m))
+
+
+def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
+    """Once every stage is done, the next step comes from the figures: a drafter that loses to n-gram
+    lookup, a held-out figure falling while the training one rises, a drafter evaluated deeper than
+    it was trained. Without such a finding the next step is to serve it."""
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    st = status.collect(run)
+    assert st["findings"] == [] and "serve the drafter" in st["next_step"]["text"]
+
+    _set(run, "evaluate", config={"draft_steps": 5, "tree_depth": 6},
+         metrics={"accept_rate_per_position": [0.6, 0.5, 0.4, 0.05, 0.01],
+                  "methods": {"eagle3_chain": {"tau": 1.7, "speedup": 0.8}, "eagle3_tree": {"tau": 2.07, "speedup": 0.97},
+                              "ngram": {"tau": 2.67, "speedup": 1.88}, "plain": {"tau": 1.0, "speedup": 1.0}}})
+    _set(run, "train", config={"train": {"ttt_steps": 3}})
+    st = status.collect(run)
+    kinds = [f["kind"] for f in st["findings"]]
+    assert kinds == ["deeper_than_trained", "loses_to_ngram"]
+    deep, lose = st["findings"]
+    assert "eagle3_chain drafts to depth 5, eagle3_tree drafts to depth 6" in deep["text"]
+    assert "trained with 3 TTT steps" in deep["text"] and "0.05 0.01" in deep["text"] and "ttt_steps >= 6" in deep["fix"]
+    assert "eagle3_tree τ 2.07 / 0.97x" in lose["text"] and "n-gram lookup's τ 2.67 / 1.88x" in lose["text"]
+    assert "train.heldout_samples" in lose["fix"]  # no held-out figures: the run cannot tell data from steps
+    assert st["next_step"]["text"].startswith("every stage is complete, but eagle3_chain drafts to depth 5")
+
+    _set(run, "train", metrics={"heldout": {
+        "samples": 200, "best_step": 300, "best_tau_simulated": 2.4, "last_tau_simulated": 2.1, "still_improving": False,
+        "overfitting": {"from_step": 300, "to_step": 500, "heldout_from": 2.4, "heldout_to": 2.1, "train_from": 4.0,
+                        "train_to": 5.8},
+        "engine": {"prompts": 20, "tau_chain": 1.6, "tau_tree": 1.9}}})
+    st = status.collect(run)
+    assert [f["kind"] for f in st["findings"]] == ["overfitting", "deeper_than_trained", "loses_to_ngram"]
+    assert "fell from 2.4 (step 300) to 2.1 (step 500)" in st["findings"][0]["text"]
+    assert "more data helps more than more steps" in st["findings"][2]["fix"]
+    assert "the drafter is memorizing" in st["next_step"]["text"]
+    md = status.to_markdown(st)
+    assert "## Findings" in md and md.index("## Findings") < md.index("## Immediate next step")
+    facts = {f["label"]: f["value"] for f in st["discoveries"]}
+    assert facts["held-out simulated τ: best (step) / last"] == "2.4 (step 300) / 2.1 on 200 held-out samples"
+    assert facts["held-out τ measured by the engine (chain / tree)"] == "1.6 / 1.9 on 20 held-out prompts"
+
+    # a drafter that wins, evaluated within its trained depth: back to serving it
+    _set(run, "train", config={"train": {"ttt_steps": 7}}, metrics={"heldout": {
+        "samples": 200, "best_step": 500, "best_tau_simulated": 3.9, "last_tau_simulated": 3.9, "still_improving": True,
+        "overfitting": None}})
+    _set(run, "evaluate", metrics={"methods": {"eagle3_tree": {"tau": 3.4, "speedup": 2.3}, "ngram": {"tau": 2.6, "speedup": 1.9}}})
+    st = status.collect(run)
+    assert st["findings"] == [] and "serve the drafter" in st["next_step"]["text"]

@@ -40,8 +40,9 @@ def test_status_of_a_real_run(tmp_path, capsys):
 
     md = status.render(run)
     titles = [line[3:] for line in md.splitlines() if line.startswith("## ")]
-    assert titles == ["Goal", "Instructions", "Discoveries", "Accomplished", "Relevant files", "Immediate next step", "Sources"]
     st = json.loads(status.render(run, as_json=True))
+    assert titles == ["Goal", "Instructions", "Discoveries", "Accomplished", "Relevant files"] + \
+        ["Findings"] * bool(st["findings"]) + ["Immediate next step", "Sources"]
     ev = load_manifest(run / "eval")["metrics"]
     facts = {f["label"]: f for f in st["discoveries"]}
     assert facts["τ (tokens per target verification)"]["value"] == ev["tau"]
@@ -51,6 +52,8 @@ def test_status_of_a_real_run(tmp_path, capsys):
     assert facts["decoder layers"]["value"] == 4 and facts["MTP layers"]["value"] == 0
     assert facts["aux layers captured"]["value"] == load_manifest(run / "capture")["aux_layer_ids"]
     assert "predicted speedup (batch 1, k=2)" in facts or "planner prediction" in facts
-    assert all(s["state"] == "done" for s in st["stages"]) and "--speculative-algorithm EAGLE3" in st["next_step"]["text"]
+    assert all(s["state"] == "done" for s in st["stages"])
+    # a random tiny drafter: whatever the figures say, the next step follows from them
+    assert ("every stage is complete, but" if st["findings"] else "--speculative-algorithm EAGLE3") in st["next_step"]["text"]
     assert "plan.json" in st["relevant_files"] and "eval/report.md" in st["relevant_files"]
     assert "✅ done" in md and "Measure tau on a tiny model. [1]" in md

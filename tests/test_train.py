@@ -11,8 +11,8 @@ from draftsmith import vocab
 from draftsmith.artifacts import DraftsmithError, finish_manifest, new_manifest, read_json, write_manifest
 from draftsmith.config import Recipe, TargetConfig, TrainConfig, VocabConfig
 from draftsmith.data.shards import Sample, write_shard
-from draftsmith.draft.build import read_target_embeddings
-from draftsmith.draft.model import load_drafter
+from draftsmith.draft.io import load_drafter
+from draftsmith.target.model import read_target_embeddings
 from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import epoch_plan
 from draftsmith.train.ttt import simulated_tau

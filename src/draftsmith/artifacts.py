@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -33,7 +34,8 @@ class DraftsmithError(Exception):
 # ----------------------------------------------------------------------------- atomic I/O
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so a rename into it survives a crash (best effort: not every filesystem can)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -62,7 +64,7 @@ def atomic_write_bytes(path: str | Path, data: bytes | Sequence[bytes | memoryvi
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise DraftsmithError(f"{path}: cannot write ({e.strerror or e}); free disk space or fix permissions and rerun") from e
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def remove_temp_files(directory: str | Path, recursive: bool = False) -> None:
@@ -87,7 +89,7 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
     The bytes depend only on the tensors and the metadata, not on either dict's insertion
     order: keys are sorted before saving, and the header is rewritten canonically, because
     safetensors emits `__metadata__` in Rust hash order, which changes from call to call."""
-    from safetensors.torch import save
+    from safetensors.torch import save  # why here: it imports torch (~1.5 s); status and plan read artifacts without it
 
     data = save({k: tensors[k].contiguous() for k in sorted(tensors)},
                 metadata=None if metadata is None else {k: metadata[k] for k in sorted(metadata)})
@@ -174,6 +176,12 @@ def fingerprint_path(path: str | Path) -> str:
 # ----------------------------------------------------------------------------- environment
 
 
+def torchrun_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) in a plain process.
+    The one reader of these variables (distributed.init_distributed, process_rank)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def process_rank() -> int:
     """This process's global rank: torch.distributed's when a process group is up, else
     torchrun's RANK variable, else 0. torch.distributed is not imported for this: a process
@@ -182,7 +190,7 @@ def process_rank() -> int:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
     try:
-        return int(os.environ.get("RANK", "0") or 0)
+        return torchrun_ranks()[0]
     except ValueError:
         return 0
 
@@ -194,8 +202,6 @@ def is_main_rank() -> bool:
 
 
 def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {"python": platform.python_version()}
     for name in ("draftsmith", "torch", "transformers", "safetensors", "tokenizers"):
         try:
@@ -209,7 +215,7 @@ def hardware_info() -> dict[str, Any]:
     info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
                             "cpu_count": os.cpu_count()}
     try:
-        import torch
+        import torch  # why here: ~1.5 s to import; status and plan read artifacts without it
 
         info["torch_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
@@ -228,6 +234,13 @@ STAGE_DIRS = {"prepare": "data", "regenerate": "regen", "evaluate": "eval"}
 
 def stage_dir(run_dir: str | Path, stage: str) -> Path:
     return Path(run_dir) / STAGE_DIRS.get(stage, stage)
+
+
+def token_stage(recipe, run_dir: str | Path) -> tuple[Path, str]:
+    """(folder, stage) of the token shards that capture, vocab and online training read: regen/
+    when regenerate is enabled, else data/. `recipe` is a config.Recipe."""
+    stage = "regenerate" if recipe.regenerate.enabled else "prepare"
+    return stage_dir(run_dir, stage), stage
 
 
 def load_manifest(directory: str | Path) -> dict | None:
@@ -330,24 +343,39 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         rec = {"time": round(time.time(), 3), "event": event, **to_jsonable(fields)}
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_jsonl(self.path, rec)
         except OSError as e:  # a full disk must not hide the error being reported; read() skips a torn line
             log(f"warning: {self.path}: cannot append {event!r} ({e.strerror or e})")
 
     def read(self) -> list[dict]:
         """All complete records; a torn last line (a crash mid-append) is ignored."""
-        if not self.path.exists():
-            return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return read_jsonl(self.path)
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append one JSON line and fsync it. A crash mid-append leaves at most a torn last line,
+    which read_jsonl skips."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The complete records (JSON objects, one a line) of an append-only file; a torn or garbled
+    line (a crash mid-append) is skipped; a missing file has none."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def iter_lines(path: Path) -> Iterable[tuple[int, str]]:

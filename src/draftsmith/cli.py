@@ -1,4 +1,5 @@
-"""`draftsmith` command line. Flags and YAML recipes are generated from config.py's dataclasses.
+"""`draftsmith` command line: one command per stage of the stage table (stages.py), `run` for all
+of them, and the tool commands. Flags and YAML recipes are generated from config.py's dataclasses.
 
     draftsmith run recipes/quickstart.yaml            # every stage, skip what is done
     draftsmith train recipes/quickstart.yaml --train.max_steps 50
@@ -6,104 +7,72 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .artifacts import DraftsmithError
-from .config import STAGES, Recipe
+from .config import STAGES, parse_recipe, recipe_parser
 
-STAGE_HELP = {
-    "prepare": "conversations -> token shards with assistant-only loss masks",
-    "regenerate": "optional: the target rewrites the assistant turns (regenerate.enabled)",
-    "capture": "target forward -> aux hidden-state shards",
-    "vocab": "draft vocabulary (d2t / t2d) from token frequencies",
-    "train": "train the EAGLE-3 drafter with training-time test",
-    "evaluate": "speculative decoding: acceptance length and speedup vs plain decoding",
-    "export": "write SGLang / vLLM drafter folders",
-    "run": "every stage in order (skips complete stages, resumes a half-done one)",
-}
-RECIPE_COMMANDS = tuple(STAGE_HELP)
-# Commands that are not stages: name -> (module with `main(argv) -> int`, help). One line each.
-TOOL_COMMANDS = {
-    "status": ("draftsmith.status", "state of the project for a run directory (Markdown + JSON)"),
-    "import-drafter": ("draftsmith.export.importer", "import an EAGLE-3 checkpoint (SGLang or speculators format)"),
-    "plan": ("draftsmith.plan", "predicted tokens per step and speedup per method and batch size"),
-    "doctor": ("draftsmith.doctor", "check versions, GPUs, disk, memory fit and stale processes"),
-    "probe-layers": ("draftsmith.probe", "choose aux layers by measurement (cheap probes per layer triple)"),
-    "bench-serve": ("draftsmith.serve.bench", "load-test OpenAI-compatible endpoints: TTFT/TPOT/throughput vs concurrency, A/B"),
+RUN_HELP = "every stage in order (skips complete stages, resumes a half-done one)"
+RECIPE_COMMANDS = (*STAGES, "run")
+TOOL_HELP = {  # commands that are not stages: name -> help, one line each
+    "status": "state of the project for a run directory (Markdown + JSON)",
+    "import-drafter": "import an EAGLE-3 checkpoint (SGLang or speculators format)",
+    "plan": "predicted tokens per step and speedup per method and batch size",
+    "doctor": "check versions, GPUs, disk, memory fit and stale processes",
+    "probe-layers": "choose aux layers by measurement (cheap probes per layer triple)",
+    "bench-serve": "load-test OpenAI-compatible endpoints: TTFT/TPOT/throughput vs concurrency, A/B",
 }
 
 
-def _recipe_parser(prog: str, description: str):
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    p = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False)
-    p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
-    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
-    p.add_class_arguments(Recipe, None, fail_untyped=True)
-    return p
-
-
-def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
-    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`."""
-    import warnings
-
-    if argv and not argv[0].startswith("-"):
-        path = Path(argv[0])
-        if not path.exists():
-            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
-        argv = ["--config", str(path), *argv[1:]]
-    p = _recipe_parser(prog, "")
-    try:
-        cfg = p.parse_args(argv)
-    except (argparse.ArgumentError, SystemExit) as e:
-        where = argv[1] if argv[:1] == ["--config"] else "command line"
-        msg = " ".join(str(e).split())
-        raise DraftsmithError(f"{where}: {msg}; fix the key or value (see `draftsmith run --help`)") from None
-    force = bool(cfg.pop("force", False))
-    cfg.pop("config", None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        init = p.instantiate_classes(cfg)
-    recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
-    return recipe, force
+def tool_main(command: str) -> Callable[[list[str]], int]:
+    """The `main(argv) -> exit status` of a tool command."""
+    # why here: doctor, probe-layers and import-drafter load torch (~1.5 s), which status and plan do not need
+    if command == "status":
+        from .status import main
+    elif command == "import-drafter":
+        from .export.importer import main
+    elif command == "plan":
+        from .plan import main
+    elif command == "doctor":
+        from .doctor import main
+    elif command == "probe-layers":
+        from .probe import main
+    else:
+        from .serve.bench import main
+    return main
 
 
-def _print_help() -> None:
+def _print_help(stage_help: dict[str, str]) -> None:
     print("usage: draftsmith COMMAND [RECIPE.yaml] [--section.key value ...]\n")
     print("commands:")
-    for name, text in STAGE_HELP.items():
-        print(f"  {name:<10} {text}")
-    for name, (_, text) in TOOL_COMMANDS.items():
+    for name, text in {**stage_help, "run": RUN_HELP, **TOOL_HELP}.items():
         print(f"  {name:<10} {text}")
     print("\n`draftsmith COMMAND --help` lists every recipe key with its help.")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        _print_help()
-        return 0
-    command, rest = argv[0], argv[1:]
+    command, rest = (argv[0], argv[1:]) if argv else ("--help", [])
     try:
-        if command in TOOL_COMMANDS:
-            import importlib
+        if command in TOOL_HELP:
+            return tool_main(command)(rest)
+        if command not in (*RECIPE_COMMANDS, "-h", "--help", "help"):
+            raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_HELP))}")
+        # why here: the stage table imports every stage, and with them torch (~1.5 s)
+        from . import pipeline, status
 
-            return importlib.import_module(TOOL_COMMANDS[command][0]).main(rest)
-        if command not in RECIPE_COMMANDS:
-            raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_COMMANDS))}")
+        stage_help = {name: stage.help for name, stage in pipeline.STAGE_TABLE.items()}
+        if command in ("-h", "--help", "help"):
+            _print_help(stage_help)
+            return 0
         if "-h" in rest or "--help" in rest:
-            _recipe_parser(f"draftsmith {command}", STAGE_HELP[command]).print_help()
+            recipe_parser(f"draftsmith {command}", stage_help.get(command, RUN_HELP)).print_help()
             return 0
         recipe, force = parse_recipe(rest, prog=f"draftsmith {command}")
-        from . import pipeline
-
         if command == "run":
-            for stage in STAGES:
-                pipeline.run_stage(stage, recipe, force=force)
-            from . import status
-
+            pipeline.run_all(recipe, force=force)
             print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
         else:
             pipeline.run_stage(command, recipe, force=force)

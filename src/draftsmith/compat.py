@@ -1,4 +1,6 @@
-"""Facts about a target that decide which speculation methods are open to it.
+"""Facts about a target and the software around it that decide what can run.
+
+    TESTED                    the Python / torch / transformers versions draftsmith is tested with
 
     mtp_layers / mtp_report   does the target ship multi-token-prediction (MTP) layers, i.e. a
                               drafter for free (DeepSeek-V3: 1; Kimi-K2 keeps the key but sets 0)
@@ -13,7 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from safetensors import safe_open
+
 from .artifacts import DraftsmithError
+
+TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.17")}
+"""Versions draftsmith's tests ran with (CPU CI and the H200 machine): (lowest, highest)."""
 
 # Config keys under which architectures declare MTP layers: DeepSeek-V3/V4, GLM-4.5, MiMo,
 # ERNIE 4.5, Nemotron-H (num_nextn_predict_layers), transformers' alias (num_mtp_layers),
@@ -59,8 +66,6 @@ def _checkpoint_keys(model_dir: Path) -> Optional[list[str]]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
-    from safetensors import safe_open
-
     keys: list[str] = []
     for f in files:
         with safe_open(str(f), "pt") as h:

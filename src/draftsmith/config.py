@@ -1,13 +1,25 @@
-"""One dataclass per stage, and the run recipe that nests them.
+"""One dataclass per stage, the run recipe that nests them, and the parser that reads a recipe.
 
 Field docstrings are the CLI help (jsonargparse reads them). Model shapes come from the
 target's config.json, never from flags. The resolved recipe is written to
 `RUN_DIR/recipe.yaml` with every default spelled out.
+
+    parse_recipe(["recipes/quickstart.yaml", "--train.lr", "1e-3"]) -> (Recipe, force)
 """
 from __future__ import annotations
 
+import argparse
+import ast
+import inspect
+import textwrap
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional
+
+from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+from .artifacts import DraftsmithError
 
 
 @dataclass
@@ -125,9 +137,14 @@ class DraftConfig:
     """Drafter shape. Unset fields are taken from the target's config."""
 
     num_attention_heads: Optional[int] = None
+    """Attention heads; unset: the target's."""
     num_key_value_heads: Optional[int] = None
+    """Key/value heads; unset: the target's (num_attention_heads itself when that is set and the
+    target's count does not divide it)."""
     head_dim: Optional[int] = None
+    """Width of each head; unset: the target's (MLA targets: their value-head width)."""
     intermediate_size: Optional[int] = None
+    """SwiGLU MLP width; unset: the target's dense intermediate_size, else 8/3 x hidden, rounded up."""
     norm_before_fc: bool = False
     """RMSNorm over the concatenated aux states before fc (speculators' and vLLM's `norm_before_fc`).
     vLLM loads it; SGLang's EAGLE-3 Llama has no such norm, so the SGLang export refuses it."""
@@ -147,6 +164,7 @@ class TrainConfig:
     ttt_steps: int = 7
     """Unrolled draft steps per position; step i has loss weight decay**i."""
     ttt_decay: float = 0.8
+    """Loss weight decay per TTT step: step i weighs ttt_decay**i."""
     epochs: float = 1.0
     """Passes over the captured data (fractions allowed): training stops at the end of the last
     epoch's batch plan (a fraction: that share of its batches)."""
@@ -162,8 +180,9 @@ class TrainConfig:
     max_length: int = 2048
     """Samples longer than this are cut."""
     lr: float = 3e-4
+    """Peak learning rate (AdamW), reached after the warmup."""
     weight_decay: float = 0.0
-    """AdamW weight decay of the 2-D weights (norm weights never decay)."""
+    """AdamW weight decay of the weight matrices (norms get none)."""
     optimizer: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW (betas 0.9/0.95) on every trained tensor. muon: torch.optim.Muon on the 2-D
     weight matrices of fc, attention and MLP (lr `muon_lr`, RMS matched to AdamW's update, weight
@@ -171,16 +190,21 @@ class TrainConfig:
     muon_lr: Optional[float] = None
     """Learning rate of the Muon matrices; unset: lr."""
     muon_weight_decay: float = 0.1
+    """Weight decay of the Muon matrices (train.optimizer muon)."""
     warmup_steps: int = 20
+    """Optimizer steps of linear learning-rate warmup."""
     lr_schedule: Literal["cosine", "linear"] = "cosine"
     """After warmup: cosine or linear decay to lr * min_lr_ratio at the last step."""
     min_lr_ratio: float = 0.1
     """The decay ends at lr * min_lr_ratio."""
     grad_clip: float = 0.5
+    """Clip the gradient norm to this; 0: no clipping."""
     save_every: int = 100
     """Checkpoint every N steps (and at the end)."""
     log_every: int = 10
+    """Print a line (and write TensorBoard scalars) every N optimizer steps."""
     device: str = "auto"
+    """auto, cpu, cuda or cuda:N; under torchrun, auto and cuda mean each rank's own GPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype for the drafter (master weights stay float32)."""
     attention: Literal["auto", "chunked", "flex", "reference"] = "auto"
@@ -216,6 +240,7 @@ class EvaluateConfig:
     max_prompts: Optional[int] = None
     """Use at most this many prompts per benchmark."""
     max_new_tokens: int = 128
+    """Longest answer per prompt and turn, in tokens."""
     draft_steps: int = 5
     """Chain length k: tokens drafted per target verification."""
     check_lossless: bool = True
@@ -261,6 +286,7 @@ class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["sglang"])
     """Any of: sglang, vllm."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the exported weights (d2t and t2d keep theirs)."""
     verifier: Optional[str] = None
     """The target as the serving machine names it (hub id or path), written into the vLLM
     export's speculators_config.verifier; default target.path."""
@@ -283,6 +309,7 @@ class Recipe:
     run_dir: str = "runs/quickstart"
     """Folder that holds every stage's output."""
     seed: int = 0
+    """Seed of training: the drafter's initial weights, the held-out split and the batch order."""
     target: TargetConfig = field(default_factory=TargetConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -295,3 +322,50 @@ class Recipe:
 
 
 STAGES = ("prepare", "regenerate", "capture", "vocab", "train", "evaluate", "export")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it in a dataclass body: the help of commands whose flags
+    argparse builds (jsonargparse reads the same docstrings itself)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+
+
+def cli_parser(prog: str, description: str, **kwargs) -> ArgumentParser:
+    """A jsonargparse parser whose dataclass flags show their field's docstring as help."""
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # jsonargparse leaves them out by default
+    return ArgumentParser(prog=prog, description=description, default_env=False, **kwargs)
+
+
+def recipe_parser(prog: str, description: str) -> ArgumentParser:
+    """The parser of `draftsmith STAGE [RECIPE.yaml] [--section.key value ...]`: every Recipe field is a flag."""
+    p = cli_parser(prog, description, exit_on_error=False)
+    p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
+    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
+    p.add_class_arguments(Recipe, None, fail_untyped=True)
+    return p
+
+
+def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
+    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`."""
+    if argv and not argv[0].startswith("-"):
+        path = Path(argv[0])
+        if not path.exists():
+            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
+        argv = ["--config", str(path), *argv[1:]]
+    p = recipe_parser(prog, "")
+    try:
+        cfg = p.parse_args(argv)
+    except (argparse.ArgumentError, SystemExit) as e:
+        where = argv[1] if argv[:1] == ["--config"] else "command line"
+        msg = " ".join(str(e).split())
+        raise DraftsmithError(f"{where}: {msg}; fix the key or value (see `draftsmith run --help`)") from None
+    force = bool(cfg.pop("force", False))
+    cfg.pop("config", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        init = p.instantiate_classes(cfg)
+    recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
+    return recipe, force

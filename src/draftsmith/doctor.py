@@ -12,18 +12,27 @@ Exit status 1 when a check fails.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Optional
 
-from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
+import torch
+from packaging.version import Version
 
-TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.17")}
-"""Versions draftsmith's tests ran with (CPU CI and the H200 machine): (lowest, highest)."""
+from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
+from .compat import TESTED
+from .config import parse_recipe
+from .costmodel import drafter_params, target_spec
+from .data.shards import bytes_per_token
+from .distributed import resolve_device
 
 ICON = {"ok": "✅", "warn": "⚠️ ", "fail": "❌", "info": "ℹ️ "}
 
@@ -33,16 +42,11 @@ def check(name: str, status: str, detail: str, **data: Any) -> dict:
 
 
 def _within(version: str, lo: str, hi: str) -> bool:
-    from packaging.version import Version
-
     v = Version(version).release
     return Version(lo).release <= v[:len(Version(lo).release)] and v[:len(Version(hi).release)] <= Version(hi).release
 
 
 def check_versions() -> list[dict]:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
     out = []
     for name, (lo, hi) in TESTED.items():
         try:
@@ -60,8 +64,6 @@ def check_versions() -> list[dict]:
 
 def gpus() -> list[dict]:
     """Visible CUDA GPUs: index, name, free and total memory in bytes."""
-    import torch
-
     if not torch.cuda.is_available():
         return []
     out = []
@@ -103,8 +105,6 @@ def _existing(path: Path) -> Path:
 
 def capture_estimate(recipe, spec) -> tuple[Optional[int], str]:
     """(bytes the capture stage will write, how the figure was obtained)."""
-    from .target.capture import bytes_per_token
-
     run_dir = Path(recipe.run_dir)
     n_aux = len(recipe.target.aux_layer_ids or [0, 0, 0])
     bpt = bytes_per_token(n_aux, spec.hidden_size, recipe.capture.storage_dtype)
@@ -141,9 +141,6 @@ def check_disk(recipe, spec) -> dict:
 def check_memory(recipe, spec, cfg: dict, found: list[dict]) -> dict:
     """Target weights + drafter (bf16 for inference; 16 bytes/param more when training: fp32 master,
     gradient, Adam moments) against the free memory where the target loads."""
-    from .plan import drafter_params, target_spec
-    from .target.model import resolve_device
-
     try:
         dev = resolve_device(recipe.target.device)
     except DraftsmithError as e:
@@ -179,8 +176,6 @@ def _cmdline(pid: int) -> Optional[str]:
 
 def _gpu_memory_by_pid() -> dict[int, int]:
     """MiB of GPU memory per process, from nvidia-smi (empty without it)."""
-    import subprocess
-
     if not shutil.which("nvidia-smi"):
         return {}
     try:
@@ -250,8 +245,6 @@ def check_processes(run_dir: Path, kill_stale: bool = False) -> list[dict]:
 
 
 def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
-    from .plan import target_spec
-
     found = gpus()
     checks = check_versions() + check_gpus(found)
     if recipe is None:
@@ -271,16 +264,15 @@ def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     """`draftsmith doctor [RECIPE.yaml] [--section.key value ...] [--kill-stale] [--json]`."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="draftsmith doctor", description=__doc__.split("\n")[0],
+                                usage="%(prog)s [RECIPE.yaml] [--section.key value ...] [--kill-stale] [--json]",
+                                epilog="With a recipe (a YAML file first, or recipe keys as --section.key value) the run's disk, "
+                                       "memory fit and recorded processes are checked too.")
     p.add_argument("--kill-stale", action="store_true", help="SIGTERM live draftsmith PIDs of this run whose stage has ended")
     p.add_argument("--json", action="store_true", help="print JSON")
     a, rest = p.parse_known_args(argv)
     recipe = None
     if rest:
-        from .cli import parse_recipe
-
         recipe, _ = parse_recipe(rest, prog="draftsmith doctor")
     checks = diagnose(recipe, a.kill_stale)
     if a.json:

@@ -1,6 +1,7 @@
-"""Runs stages in order into a run directory: skip what is done, resume what is half done.
+"""Runs the stages of the stage table (stages.py) in order into a run directory: skip what is
+done, resume what is half done.
 
-Each stage module exposes `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
+Each stage is a function `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
 covers its own config section, the target, and the fingerprints of the stages it reads;
 a complete manifest with the same fingerprint means the stage is skipped. A stage whose
 manifest says `running` with the same fingerprint resumes from what it listed; one with
@@ -12,30 +13,20 @@ stage wait for rank 0's complete manifest before going on to the next one.
 """
 from __future__ import annotations
 
-import importlib
+import hashlib
 import os
 import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
 from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
                         process_rank, stage_dir, to_jsonable)
-from .config import STAGES, Recipe
-
-# stage -> (module, config sections it depends on, upstream stages)
-STAGE_DEPS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
-    "prepare": ("draftsmith.data.prepare", ("prepare",), ()),
-    "regenerate": ("draftsmith.data.regenerate", ("regenerate",), ("prepare",)),
-    "capture": ("draftsmith.target.capture", ("capture",), ("prepare", "regenerate")),
-    "vocab": ("draftsmith.vocab", ("vocab",), ("prepare", "regenerate")),
-    "train": ("draftsmith.train.loop", ("draft", "train", "seed"), ("capture", "vocab")),
-    "evaluate": ("draftsmith.evaluate", ("evaluate",), ("train",)),
-    "export": ("draftsmith.export", ("export",), ("train",)),
-}
+from .config import Recipe
+from .data.readers import resolve_source
+from .stages import STAGE_TABLE
 
 
 ONLINE_TRAIN_DEPS: tuple[tuple[str, ...], tuple[str, ...]] = (("draft", "train", "seed", "capture"), ("prepare", "regenerate", "vocab"))
@@ -50,13 +41,13 @@ def online(recipe: Recipe) -> bool:
 
 def sections_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
     """Config sections that a stage's fingerprint covers in this recipe."""
-    return ONLINE_TRAIN_DEPS[0] if stage == "train" and online(recipe) else STAGE_DEPS[stage][1]
+    return ONLINE_TRAIN_DEPS[0] if stage == "train" and online(recipe) else STAGE_TABLE[stage].sections
 
 
 def upstream_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
     """A stage's upstream stages in this recipe: regenerate counts only when enabled; with
     train.online, train reads the token shards (prepare/regenerate) and vocab, not capture."""
-    ups = ONLINE_TRAIN_DEPS[1] if stage == "train" and online(recipe) else STAGE_DEPS[stage][2]
+    ups = ONLINE_TRAIN_DEPS[1] if stage == "train" and online(recipe) else STAGE_TABLE[stage].upstream
     return tuple(u for u in ups if u != "regenerate" or recipe.regenerate.enabled)
 
 
@@ -68,13 +59,6 @@ def skip_reason(stage: str, recipe: Recipe) -> str | None:
         return ("train.online is true; skipped (train runs the target on the token shards itself, nothing is written to disk); "
                 "set train.online: false to capture")
     return None
-
-
-def token_stage(recipe: Recipe, run_dir: Path) -> tuple[Path, str]:
-    """(folder, stage) of the token shards that capture and vocab read: regen/ when regenerate
-    is enabled, else data/."""
-    stage = "regenerate" if recipe.regenerate.enabled else "prepare"
-    return stage_dir(run_dir, stage), stage
 
 
 def target_fingerprint(recipe: Recipe) -> str:
@@ -96,8 +80,6 @@ def target_fingerprint(recipe: Recipe) -> str:
 
 
 def hash_bytes(b: bytes) -> str:
-    import hashlib
-
     return hashlib.sha256(b).hexdigest()[:16]
 
 
@@ -110,8 +92,6 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     cfg = {s: getattr(recipe, s) for s in sections}
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
-        from .data.readers import resolve_source
-
         extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
     return fingerprint(stage, cfg, target_fingerprint(recipe), up, extra)
 
@@ -131,7 +111,6 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_recipe(recipe, run_dir)
     ledger = Ledger(run_dir)
-    module_name = STAGE_DEPS[stage][0]
     reason = skip_reason(stage, recipe)
     if reason:
         log(f"[{stage}] {reason}")
@@ -155,9 +134,8 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
     resumed = m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force
     ledger.append("stage_started", stage=stage, fingerprint=fp, resumed=resumed, pid=os.getpid())
     t0 = time.time()
-    module = importlib.import_module(module_name)
     try:
-        manifest = module.run(recipe, run_dir, fp)
+        manifest = STAGE_TABLE[stage].run(recipe, run_dir, fp)
     except KeyboardInterrupt:
         ledger.append("stage_interrupted", stage=stage, seconds=round(time.time() - t0, 3))
         raise
@@ -197,11 +175,7 @@ def wait_for_rank0(out_dir: Path, stage: str, fp: str, poll_s: float = 0.5) -> d
         time.sleep(poll_s)
 
 
-def run_all(recipe: Recipe, stages: tuple[str, ...] = STAGES,
-            on_stage_done: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
-    out = {}
-    for stage in stages:
-        out[stage] = run_stage(stage, recipe)
-        if on_stage_done:
-            on_stage_done(stage, out[stage])
-    return out
+def run_all(recipe: Recipe, force: bool = False) -> dict[str, dict]:
+    """Every stage of the table in order (`draftsmith run`); each skipped when complete. Returns
+    the manifests by stage."""
+    return {stage: run_stage(stage, recipe, force=force) for stage in STAGE_TABLE}

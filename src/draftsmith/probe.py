@@ -22,9 +22,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, Ledger, atomic_write_json, atomic_write_text, log, require_complete, stage_dir,
                         verify_shards)
+from .config import field_docs, parse_recipe
+from .data.shards import iter_samples
+from .target.model import default_aux_layer_ids, load_target, read_text_config
 
 
 @dataclass
@@ -34,14 +38,21 @@ class ProbeConfig:
     layers: Optional[list[int]] = None
     """Candidate layers; default: num_candidate_layers evenly spaced plus the default triple."""
     num_candidate_layers: int = 8
+    """Evenly spaced candidate layers when --layers is not given."""
     top_tokens: int = 512
     """Output classes: the most frequent tokens under the loss mask."""
     rank: int = 64
+    """Rank r of each probe's linear map."""
     steps: int = 300
+    """Adam steps of every probe."""
     batch: int = 512
+    """Positions per probe training step."""
     lr: float = 3e-3
+    """Adam learning rate of the probes."""
     val_fraction: float = 0.2
+    """Share of the samples held out to score the probes."""
     seed: int = 0
+    """Seed of the probes' initial weights, batches and held-out split."""
 
 
 def candidate_layers(num_layers: int, count: int, default: list[int]) -> list[int]:
@@ -58,8 +69,6 @@ def _top_tokens(run_dir: Path, labels: torch.Tensor, vocab: int, k: int) -> torc
     """The k most frequent tokens under the loss mask (prepare's counts; else the labels' own)."""
     path = stage_dir(run_dir, "prepare") / "token_counts.safetensors"
     if path.exists():
-        from safetensors.torch import load_file
-
         counts = load_file(str(path))["counts"][:vocab].to(torch.float64)
     else:
         counts = torch.bincount(labels, minlength=vocab).to(torch.float64)
@@ -145,16 +154,11 @@ def train_probes(data: dict, triples: list[tuple[int, ...]], layer_index: dict[i
 
 
 def probe_layers(recipe, cfg: ProbeConfig) -> dict:
-    from .data.shards import iter_samples
-    from .target.model import default_aux_layer_ids, load_target, text_config
-
     run_dir = Path(recipe.run_dir)
     data_m = require_complete(stage_dir(run_dir, "prepare"), "prepare")
     shards = verify_shards(stage_dir(run_dir, "prepare"), data_m)
     t0 = time.time()
-    from transformers import AutoConfig
-
-    tcfg = text_config(AutoConfig.from_pretrained(recipe.target.path, trust_remote_code=recipe.target.trust_remote_code))
+    tcfg = read_text_config(recipe.target.path, recipe.target.trust_remote_code)
     N = int(tcfg.num_hidden_layers)
     default = list(recipe.target.aux_layer_ids or default_aux_layer_ids(N))
     layers = sorted(set(cfg.layers)) if cfg.layers else candidate_layers(N, cfg.num_candidate_layers, default)
@@ -215,14 +219,17 @@ def to_markdown(res: dict, limit: int = 15) -> str:
 
 def main(argv: list[str]) -> int:
     """`draftsmith probe-layers RECIPE.yaml [--steps N] [--layers 1 5 9 ...] [--json] [--section.key value ...]`."""
-    from .cli import parse_recipe
-
-    p = argparse.ArgumentParser(prog="draftsmith probe-layers", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="draftsmith probe-layers", description=__doc__.split("\n")[0],
+                                usage="%(prog)s RECIPE.yaml [--steps N] [--layers L [L ...]] [--json] [--section.key value ...]",
+                                epilog="RECIPE.yaml (first) is the run's recipe: the probe reads its prepared data/ and its target; "
+                                       "any recipe key may follow as --section.key value (see `draftsmith run --help`).")
+    docs = field_docs(ProbeConfig)
     for name, f in ProbeConfig.__dataclass_fields__.items():
         if name == "layers":
-            p.add_argument("--layers", type=int, nargs="+", help="candidate layers (0-indexed outputs)")
+            p.add_argument("--layers", type=int, nargs="+", help=docs[name] + " (0-indexed decoder layers whose outputs are used)")
         else:
-            p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(f.default), default=f.default)
+            p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(f.default), default=f.default,
+                           help=f"{docs[name]} (default: {f.default})")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     a, rest = p.parse_known_args(argv)
     recipe, _ = parse_recipe(rest, prog="draftsmith probe-layers")

@@ -5,13 +5,17 @@
 
 A stage is done (complete manifest), failed (a stage_failed event after its last start),
 interrupted (a stage_interrupted event, or a `running` manifest whose process is gone),
-running, or pending. The document has seven sections (SECTIONS): Goal, Instructions (constraints
-in force), Discoveries (hardware, versions, target facts, measured figures, planner prediction
-vs measurement), Accomplished (per stage), Relevant files, Immediate next step, and Sources:
-every figure carries a [n] marker naming the file (and key) it was read from.
+running, or pending. The document has eight sections (SECTIONS): Goal, Instructions (constraints
+in force), Discoveries (hardware, versions, target facts, measured figures, held-out figures,
+planner prediction vs measurement), Accomplished (per stage), Relevant files, Findings (what the
+figures say stands between the drafter and a win: it loses to n-gram lookup, its held-out figure
+falls while the training figure rises, it is evaluated deeper than it was trained), Immediate next
+step (computed from the findings once every stage is done), and Sources: every figure carries a
+[n] marker naming the file (and key) it was read from.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -19,8 +23,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import yaml
+
 from .artifacts import DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
+from .compat import TESTED, mtp_layers
 from .config import STAGES
+from .costmodel import target_spec, text_config_dict
+from .plan import predict, speedup_at
 
 ICONS = {"done": "✅", "running": "🔄", "pending": "⏳", "failed": "❌", "interrupted": "⏸️"}
 
@@ -124,8 +133,6 @@ def stage_state(run_dir: Path, stage: str, events: list[dict]) -> dict:
 
 
 def _read_recipe(run_dir: Path) -> dict:
-    import yaml
-
     p = run_dir / "recipe.yaml"
     if not p.exists():
         return {}
@@ -136,7 +143,58 @@ def _read_recipe(run_dir: Path) -> dict:
     return r if isinstance(r, dict) else {}
 
 
-def next_step(stages: list[dict], run_dir: Path, recipe: dict) -> dict:
+def _depth(method: str, ev_config: dict) -> Optional[int]:
+    return {"eagle3_chain": ev_config.get("draft_steps"), "eagle3_tree": ev_config.get("tree_depth")}.get(method)
+
+
+def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
+    """What the measured figures say stands between this drafter and a win, most pressing first.
+    Each: {kind, text, fix, source}. Read from the train and evaluate manifests only."""
+    out: list[dict] = []
+    train, ev = manifests.get("train"), manifests.get("evaluate")
+    held = _get(train or {}, "metrics.heldout") or {}
+    over = held.get("overfitting")
+    if over:
+        out.append({"kind": "overfitting", "source": f"{_mf('train')}: metrics.heldout.overfitting",
+                    "text": f"held-out simulated τ fell from {over['heldout_from']:.3g} (step {over['from_step']}) to "
+                            f"{over['heldout_to']:.3g} (step {over['to_step']}) while the training figure rose from "
+                            f"{over['train_from']:.3g} to {over['train_to']:.3g}: the drafter is memorizing its data",
+                    "fix": "train on more conversations (raise prepare.max_samples, with regenerate on) or for fewer "
+                           "epochs; train/best holds the checkpoint with the best held-out figure"})
+    trained_k = _get(train or {}, "config.train.ttt_steps")
+    ev_config = (ev or {}).get("config") or {}
+    methods = _get(ev or {}, "metrics.methods") or {}
+    if trained_k and ev:
+        deep = {m: _depth(m, ev_config) for m in methods if (_depth(m, ev_config) or 0) > trained_k}
+        if deep:
+            rates = _get(ev, "metrics.accept_rate_per_position") or []
+            past = [r for r in rates[trained_k:] if r is not None]
+            seen = f"; measured acceptance past depth {trained_k}: {' '.join(f'{r:.2f}' for r in past)}" if past else ""
+            out.append({"kind": "deeper_than_trained", "source": f"{_mf('evaluate')}: config, metrics.accept_rate_per_position",
+                        "text": ", ".join(f"{m} drafts to depth {d}" for m, d in deep.items())
+                                + f", but the drafter was trained with {trained_k} TTT steps{seen}",
+                        "fix": f"train with train.ttt_steps >= {max(deep.values())} or evaluate with evaluate.draft_steps / "
+                               f"evaluate.tree_depth <= {trained_k}"})
+    ngram = methods.get("ngram") or {}
+    if ngram.get("tau") is not None:
+        lose = {m: v for m, v in methods.items() if m.startswith("eagle3") and v.get("tau") is not None
+                and (v["tau"] < ngram["tau"] or (v.get("speedup") or 0) < (ngram.get("speedup") or 0))}
+        if lose:
+            if held.get("still_improving"):
+                fix = "the held-out figure was still rising at the last evaluation: train longer (raise train.epochs)"
+            elif held:
+                fix = "the held-out figure had levelled off: more data helps more than more steps (raise prepare.max_samples, regenerate on)"
+            else:
+                fix = "hold samples out (train.heldout_samples) to see whether more data or more steps would help"
+            out.append({"kind": "loses_to_ngram", "source": f"{_mf('evaluate')}: metrics.methods",
+                        "text": "; ".join(f"{m} τ {v['tau']:.3g} / {_fmt('', v.get('speedup'))}x" for m, v in lose.items())
+                                + f" against n-gram lookup's τ {ngram['tau']:.3g} / {_fmt('', ngram.get('speedup'))}x, "
+                                  "which costs nothing to train",
+                        "fix": fix})
+    return out
+
+
+def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None) -> dict:
     recipe_path = run_dir / "recipe.yaml"
     for s in stages:
         name, state = s["stage"], s["state"]
@@ -151,6 +209,11 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict) -> dict:
             "pending": f"run `{cmd}` (or `draftsmith run {recipe_path}` for every remaining stage).",
         }[state]
         return {"stage": name, "state": state, "text": text, "command": None if state == "running" else cmd}
+    if found:  # every stage is done, but the figures say the drafter is not worth serving yet
+        first = found[0]
+        return {"stage": None, "state": "done", "command": f"draftsmith run {recipe_path}",
+                "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}; then rerun "
+                        f"`draftsmith run {recipe_path}`."}
     target = (recipe.get("target") or {}).get("path", "TARGET")
     k = (recipe.get("evaluate") or {}).get("draft_steps", 5)
     cmd = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
@@ -211,13 +274,11 @@ def _mf(stage: str) -> str:
 
 def instructions(recipe: dict) -> list[dict]:
     """Constraints in force: tested versions, precision, hardware, options (recipe.yaml)."""
-    from .doctor import TESTED
-
     r = lambda key: _get(recipe, key)  # noqa: E731
     aux = r("target.aux_layer_ids")
     facts = [
         fact("tested versions", ", ".join(f"{k} {lo}" + (f"–{hi}" if hi != lo else "") for k, (lo, hi) in TESTED.items()),
-             "draftsmith.doctor.TESTED"),
+             "draftsmith.compat.TESTED"),
         fact("target", r("target.path"), "recipe.yaml: target.path"),
         fact("target device / dtype", f"{r('target.device')} / {r('target.dtype')}" if recipe else None,
              "recipe.yaml: target.device, target.dtype"),
@@ -241,9 +302,6 @@ def instructions(recipe: dict) -> list[dict]:
 
 
 def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
-    from .compat import mtp_layers
-    from .plan import _text_config, target_spec
-
     path = _get(recipe, "target.path")
     if not path:
         return []
@@ -256,7 +314,7 @@ def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
         spec = target_spec(cfg)
     except (ValueError, DraftsmithError) as e:
         return [fact("target config", f"unreadable ({e})", str(cfg_path))]
-    c, src = _text_config(cfg), f"{cfg_path}"
+    c, src = text_config_dict(cfg), f"{cfg_path}"
     return [
         fact("architecture", ", ".join(cfg.get("architectures") or []) or c.get("model_type"), f"{src}: architectures"),
         fact("decoder layers", spec.num_layers, f"{src}: num_hidden_layers"),
@@ -266,14 +324,12 @@ def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
              if spec.num_experts else "none (dense)", f"{src}: n_routed_experts/num_experts, num_experts_per_tok"),
         fact("MTP layers", mtp_layers(cfg), f"{src}: num_nextn_predict_layers (compat.mtp_layers)"),
         fact("parameters", f"{spec.total_params() / 1e9:.3g}B, {spec.weight_bytes() / 1e9:.3g} GB of weights",
-             f"{src}: parameters via plan.target_spec"),
+             f"{src}: parameters via costmodel.target_spec"),
     ]
 
 
 def _prediction_facts(run_dir: Path, ev: dict) -> list[Optional[dict]]:
     """Planner prediction at batch 1 and the evaluated k, next to the measured speedup."""
-    from .plan import predict, speedup_at
-
     metrics, k = ev.get("metrics", {}), ev.get("metrics", {}).get("draft_steps") or _get(ev, "config.draft_steps")
     measured, accept = metrics.get("speedup"), metrics.get("accept_rate_per_position")
     step_costs = ev.get("step_costs") or metrics.get("step_costs")
@@ -334,6 +390,12 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
         ("train", "final loss", lambda m: m["metrics"].get("loss"), "metrics.loss"),
         ("train", "train accuracy per TTT position", lambda m: m["metrics"].get("acc_per_position"), "metrics.acc_per_position"),
         ("train", "simulated τ", lambda m: m["metrics"].get("tau_simulated"), "metrics.tau_simulated"),
+        ("train", "held-out simulated τ: best (step) / last",
+         lambda m: f"{h['best_tau_simulated']:.3g} (step {h['best_step']}) / {h['last_tau_simulated']:.3g} on "
+                   f"{h['samples']:,} held-out samples" if (h := m["metrics"].get("heldout")) else None, "metrics.heldout"),
+        ("train", "held-out τ measured by the engine (chain / tree)",
+         lambda m: f"{_fmt('', e.get('tau_chain'))} / {_fmt('', e.get('tau_tree'))} on {e['prompts']} held-out prompts"
+         if (e := (m["metrics"].get("heldout") or {}).get("engine")) else None, "metrics.heldout.engine"),
         ("evaluate", "τ (tokens per target verification)", lambda m: m["metrics"].get("tau"), "metrics.tau"),
         ("evaluate", "acceptance per draft position", lambda m: m["metrics"].get("accept_rate_per_position"),
          "metrics.accept_rate_per_position"),
@@ -385,13 +447,15 @@ def collect(run_dir: str | Path) -> dict:
     for s in stages:
         s["fix_hint"] = fix_hint(s["error"]) if s["state"] == "failed" else None
     manifests = _manifests(run_dir)
+    found = findings(recipe, manifests)
     return {
         "run_dir": str(run_dir), "name": recipe.get("name", run_dir.name),
         "goal": recipe.get("goal"), "goal_source": "recipe.yaml: goal",
         "generated_at": time.time(),
         "instructions": instructions(recipe),
         "discoveries": discoveries(run_dir, recipe, manifests),
-        "stages": stages, "next_step": next_step(stages, run_dir, recipe),
+        "findings": found,
+        "stages": stages, "next_step": next_step(stages, run_dir, recipe, found),
         "relevant_files": [f for f in RELEVANT_FILES if (run_dir / f).exists()],
     }
 
@@ -460,6 +524,10 @@ def _section_files(st: dict, notes: Footnotes) -> Optional[str]:
     return "\n".join(f"- `{st['run_dir']}/{f}`" for f in st["relevant_files"]) or None
 
 
+def _section_findings(st: dict, notes: Footnotes) -> Optional[str]:
+    return "\n".join(f"- {f['text']}{notes.mark(f['source'])}. Fix: {f['fix']}." for f in st.get("findings") or []) or None
+
+
 def _section_next(st: dict, notes: Footnotes) -> str:
     return st["next_step"]["text"]
 
@@ -476,6 +544,7 @@ SECTIONS: list[tuple[str, Callable[[dict, Footnotes], Optional[str]]]] = [
     ("Discoveries", _section_discoveries),
     ("Accomplished", _section_stages),
     ("Relevant files", _section_files),
+    ("Findings", _section_findings),
     ("Immediate next step", _section_next),
     ("Sources", _section_sources),  # last: it lists the sources the sections above cited
 ]
@@ -512,8 +581,6 @@ def render(run_dir: Path, as_json: bool = False, brief: bool = False) -> str:
 
 def main(argv: list[str]) -> int:
     """`draftsmith status RUN_DIR [--json]`."""
-    import argparse
-
     p = argparse.ArgumentParser(prog="draftsmith status")
     p.add_argument("run_dir", help="run directory (runs/NAME)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")

@@ -14,7 +14,11 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
-from .target.model import model_class
+from .config import DraftConfig
+from .draft.build import drafter_config, init_drafter
+from .draft.io import save_drafter
+from .target.model import load_target, model_class
+from .train import loop
 
 # draftsmith's own chat template for its reference targets: role markers as special tokens,
 # every turn closed by <|end|> (the end-of-turn token, also the EOS of generation).
@@ -37,6 +41,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
                     model_max_length: int = 4096) -> None:
     """Train a byte-level BPE tokenizer and save it (tokenizer.json + tokenizer_config.json)
     with the reference chat template, loadable by transformers' AutoTokenizer."""
+    # why here: tokenizers and transformers take seconds to import; only the model builders need them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,7 +67,7 @@ Kimi-K2.5) under `model.language_model`, beside a tiny CLIP vision tower."""
 def tiny_config(arch: str = "llama", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 4,
                 text_arch: str = "deepseek_v3", **overrides):
     """A tiny transformers config of the given architecture (see ARCHS)."""
-    import transformers as tf
+    import transformers as tf  # why here: seconds to import; only the model builders need it
 
     H = hidden_size
     common = dict(vocab_size=vocab_size, hidden_size=H, intermediate_size=H * 2, num_hidden_layers=num_layers,
@@ -99,7 +104,7 @@ def make_model_dir(out_dir: str | Path, arch: str = "llama", seed: int = 0, toke
     """Write a random-weight model of `arch` with a trained tiny tokenizer into out_dir."""
     out_dir = Path(out_dir)
     train_tokenizer(tokenizer_texts or _SENTENCES * 4, vocab_size, out_dir)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # why here: seconds to import; only the model builders need it
 
     real_vocab = len(AutoTokenizer.from_pretrained(str(out_dir)))
     cfg = tiny_config(arch, vocab_size=max(real_vocab, 8), **config_overrides)
@@ -132,11 +137,6 @@ def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: i
     trained-looking drafter for it in root/drafter: a draft vocab of `draft_vocab_size` random
     target tokens, linears ~ N(0, std) (larger than training's init, so outputs differ clearly).
     `config_overrides` go to the target's config (e.g. rope_parameters)."""
-    from .config import DraftConfig
-    from .draft.build import drafter_config, init_drafter
-    from .draft.model import save_drafter
-    from .target.model import load_target
-
     root = Path(root)
     model_dir = make_model_dir(root / "target", num_layers=num_layers, **config_overrides)
     target = load_target(model_dir, device="cpu", dtype="float32")
@@ -154,17 +154,15 @@ def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: i
 def killed_at_step(monkeypatch, step: int):
     """Inside the block, the train loop raises KeyboardInterrupt when it is about to log `step`, as a
     kill at that moment would stop it (resume tests); the real logger is back afterwards."""
-    from .train import loop
+    real = loop.append_jsonl
 
-    real = loop._append_jsonl
-
-    def crash(f, rec):
+    def crash(path, rec):
         if rec["step"] == step:
             raise KeyboardInterrupt
-        real(f, rec)
+        real(path, rec)
 
-    monkeypatch.setattr(loop, "_append_jsonl", crash)
+    monkeypatch.setattr(loop, "append_jsonl", crash)
     try:
         yield
     finally:
-        monkeypatch.setattr(loop, "_append_jsonl", real)
+        monkeypatch.setattr(loop, "append_jsonl", real)

@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        require_complete, stage_dir, write_manifest)
+                        require_complete, stage_dir, token_stage, write_manifest)
 from .config import Recipe
+from .target.model import read_text_config
 
 COUNTS_FILE = "token_counts.safetensors"
 VOCAB_FILE = "vocab.safetensors"
@@ -50,9 +53,6 @@ def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) from vocab/vocab.safetensors, checked for consistency."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(path)
     try:
         t = load_file(str(path))
@@ -69,24 +69,12 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def target_vocab_size(recipe: Recipe) -> int:
-    from transformers import AutoConfig
-
-    from .target.model import text_config
-
-    path = Path(recipe.target.path)
-    try:
-        cfg = AutoConfig.from_pretrained(str(path), trust_remote_code=recipe.target.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); "
-                              "set target.path to a local Hugging Face model folder") from None
-    return int(text_config(cfg).vocab_size)
+    return int(read_text_config(recipe.target.path, recipe.target.trust_remote_code).vocab_size)
 
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(run_dir)
     t0 = time.time()
-    from .pipeline import token_stage
-
     data_dir, upstream = token_stage(recipe, run_dir)
     data_manifest = require_complete(data_dir, upstream)
     out_dir = stage_dir(run_dir, "vocab")
@@ -95,9 +83,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     write_manifest(out_dir, manifest)
 
     counts_path = data_dir / COUNTS_FILE
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         counts = load_file(str(counts_path))["counts"].to(torch.int64)
     except FileNotFoundError:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import ijson
+
 from ..artifacts import DraftsmithError, log
 
 ROLES = ("system", "user", "assistant")
@@ -146,8 +148,6 @@ def iter_records(path: Path, fmt: str, stats: ReadStats, start: int = 0) -> Iter
 
 
 def _iter_json_array(path: Path, stats: ReadStats, start: int) -> Iterator[tuple[int, str, dict]]:
-    import ijson
-
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()

@@ -7,6 +7,12 @@ The answers come from a local batched `generate` (regenerate.server_url unset) o
 OpenAI-compatible server (`vllm serve`, SGLang: POST {server_url}/chat/completions); nothing
 else is contacted (redirects are refused).
 
+Local decoding keeps the target's own token ids: an answer is spliced into its sample as the ids
+the target produced (not its decoded text re-encoded, which can differ), and the next turn's
+prompt is built from those ids, so each sample is exactly a sequence the target wrote
+(template.render's answer_ids; counts.answers_reencoded and counts.prompt_mismatch say where that
+could not hold). A server returns text, which is rendered as prepare renders it.
+
 Writes RUN_DIR/regen/, the same format as data/ (capture then reads it):
     shard-NNNNN.safetensors   token ids + assistant-only loss masks of the regenerated conversations
     shard-NNNNN.jsonl         their messages (source_id, sample_index, messages)
@@ -35,9 +41,11 @@ from tqdm import tqdm
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
                          load_manifest, log, new_manifest, remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
+from ..speculate.fast import choose_mode, fast_target_or_none
+from ..target.model import eos_token_ids, load_target, load_tokenizer
 from .readers import ReadStats, read_conversations
 from .shards import Sample, read_shard, shard_name, write_shard
-from .template import render
+from .template import prompt_ids, render
 
 ERRORS_FILE = "errors.jsonl"
 COUNTS_FILE = "token_counts.safetensors"
@@ -48,16 +56,13 @@ class Answer:
     text: Optional[str]
     error: Optional[str] = None
     """Why there is no usable answer: request failure or truncation."""
+    ids: Optional[list[int]] = None
+    """The answer's token ids as the target produced them (local decoding; a server gives text only)."""
+    prompt: Optional[list[int]] = None
+    """The prompt's token ids the target answered (local decoding)."""
 
 
 # ----------------------------------------------------------------------------- generators
-
-
-def prompt_ids(tok, messages: Sequence[dict]) -> list[int]:
-    """Token ids of the prompt for the next assistant answer: the chat template with the
-    generation prompt, tokenized as prepare's render counts tokens (no added special tokens)."""
-    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
 
 
 class LocalGenerator:
@@ -66,17 +71,12 @@ class LocalGenerator:
     transformers' `generate`."""
 
     def __init__(self, recipe: Recipe):
-        from ..speculate.fast import choose_mode, fast_target_or_none
-        from ..target.model import load_target
-
         t = recipe.target
         self.target = load_target(t.path, t.device, t.dtype, t.trust_remote_code, with_tokenizer=True,
                                   device_map=t.device_map, experts_implementation=t.experts_implementation)
         self.tok = self.target.tokenizer
         self.cfg = recipe.regenerate
-        gen_eos = self.target.model.generation_config.eos_token_id
-        eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        self.eos = {int(e) for e in eos + [self.tok.eos_token_id] if e is not None}
+        self.eos = set(eos_token_ids(self.target))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
         mode = choose_mode(self.cfg.fast, self.target, "regenerate.fast")
         # sized for every prompt that fits prepare.max_length: one cache, graphs captured once
@@ -85,19 +85,19 @@ class LocalGenerator:
             batch_size=self.cfg.batch_size, max_len=recipe.prepare.max_length + self.cfg.max_new_tokens)
         self.path = mode if self.fast is not None else "generate"
 
-    def __call__(self, conversations: Sequence[list[dict]]) -> list[Answer]:
+    def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list]) -> list[Answer]:
+        enc = [prompt_ids(self.tok, c, a) for c, a in zip(conversations, answer_ids)]
         out = []
-        for i in range(0, len(conversations), self.cfg.batch_size):
-            out += self._batch(conversations[i:i + self.cfg.batch_size])
+        for i in range(0, len(enc), self.cfg.batch_size):
+            out += self._batch(enc[i:i + self.cfg.batch_size])
         return out
 
     @torch.inference_mode()
-    def _batch(self, conversations: Sequence[list[dict]]) -> list[Answer]:
-        enc = [prompt_ids(self.tok, c) for c in conversations]
+    def _batch(self, enc: list[list[int]]) -> list[Answer]:
         if self.fast is not None:  # padded with copies to the fixed batch size (a new size would mean new graphs)
             rows = enc + [enc[-1]] * (self.cfg.batch_size - len(enc))
             gen = self.fast.plain(rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature)[:len(enc)]
-            return self._answers(gen)
+            return self._answers(enc, gen)
         L = max(len(e) for e in enc)
         ids = torch.full((len(enc), L), self.pad, dtype=torch.long)
         mask = torch.zeros((len(enc), L), dtype=torch.long)
@@ -109,16 +109,17 @@ class LocalGenerator:
         gen = self.target.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                                          max_new_tokens=self.cfg.max_new_tokens, eos_token_id=sorted(self.eos),
                                          pad_token_id=self.pad, **kw)[:, L:].cpu().tolist()
-        return self._answers(gen)
+        return self._answers(enc, gen)
 
-    def _answers(self, gen: list[list[int]]) -> list[Answer]:
+    def _answers(self, prompts: list[list[int]], gen: list[list[int]]) -> list[Answer]:
         answers = []
-        for row in gen:
+        for prompt, row in zip(prompts, gen):
             end = next((j for j, t in enumerate(row) if t in self.eos), None)
             if end is None and not self.cfg.keep_truncated:
                 answers.append(Answer(None, f"truncated: no end of turn within max_new_tokens {self.cfg.max_new_tokens}"))
             else:
-                answers.append(Answer(self.tok.decode(row[:end], skip_special_tokens=True)))
+                ids = row[:end]
+                answers.append(Answer(self.tok.decode(ids, skip_special_tokens=True), ids=ids, prompt=prompt))
         return answers
 
 
@@ -178,7 +179,8 @@ class ServerGenerator:
                 time.sleep(min(2.0 ** attempt, 30.0) * self.cfg.retry_delay_s)
         return Answer(None, f"request failed after {attempt + 1} attempt(s): {error}")
 
-    def __call__(self, conversations: Sequence[list[dict]]) -> list[Answer]:
+    def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list] = ()) -> list[Answer]:
+        """Text answers (a chat server re-encodes earlier answers itself; `answer_ids` are not sent)."""
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.concurrency)) as pool:
             return list(pool.map(self._one, [list(c) for c in conversations]))
 
@@ -186,31 +188,44 @@ class ServerGenerator:
 # ----------------------------------------------------------------------------- the stage
 
 
+@dataclass
+class Regenerated:
+    messages: list[dict]
+    """The conversation with its assistant turns replaced (text)."""
+    answers: list[Answer]
+    """The answer of each assistant turn kept (ids and prompt ids on local decoding)."""
+    error: Optional[str] = None
+    """Why the conversation was left out."""
+
+
 def regenerate_conversations(generate, conversations: Sequence[list[dict]],
-                             fits: Optional[Callable[[list[dict]], bool]] = None) -> list[tuple[list[dict], Optional[str]]]:
+                             fits: Optional[Callable[[list[dict], list], bool]] = None) -> list[Regenerated]:
     """Each conversation with its assistant turns replaced, round by round (turn r of every
-    conversation in one call of `generate`), or with the reason it failed. `fits(messages)`
-    says whether an answer to these messages still starts inside prepare.max_length; a
-    conversation ends before its first turn that does not (training would cut it off anyway)."""
+    conversation in one call of `generate(messages, answer_ids)`, where answer_ids are the earlier
+    answers' token ids), or with the reason it failed. `fits(messages, answer_ids)` says whether an
+    answer to these messages still starts inside prepare.max_length; a conversation ends before its
+    first turn that does not (training would cut it off anyway)."""
     msgs = [[dict(m) for m in c] for c in conversations]
     turns = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in msgs]
+    answers: list[list[Answer]] = [[] for _ in msgs]
     failed: list[Optional[str]] = [None] * len(msgs)
     for r in range(max((len(t) for t in turns), default=0)):
         todo = [i for i in range(len(msgs)) if failed[i] is None and r < len(turns[i])]
         if fits is not None and r > 0:  # end a conversation before a turn training would cut off
             for i in todo:
-                if not fits(msgs[i][:turns[i][r]]):
+                if not fits(msgs[i][:turns[i][r]], [a.ids for a in answers[i]]):
                     msgs[i], turns[i] = msgs[i][:turns[i][r]], turns[i][:r]
             todo = [i for i in todo if r < len(turns[i])]
         if not todo:
             break
-        answers = generate([msgs[i][:turns[i][r]] for i in todo])
-        for i, a in zip(todo, answers):
+        got = generate([msgs[i][:turns[i][r]] for i in todo], [[a.ids for a in answers[i]] for i in todo])
+        for i, a in zip(todo, got):
             if a.error is not None:
                 failed[i] = f"assistant turn {r + 1}: {a.error}"
             else:
                 msgs[i][turns[i][r]] = {"role": "assistant", "content": a.text}
-    return list(zip(msgs, failed))
+                answers[i].append(a)
+    return [Regenerated(m, a, f) for m, a, f in zip(msgs, answers, failed)]
 
 
 def kept_indices(data_dir: Path, data_m: dict) -> list[int]:
@@ -233,23 +248,23 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         m.update(source=data_m["source"], tokenizer=data_m.get("tokenizer"),
                  backend=cfg.server_url or "local generate")
         m["counts"] = {"conversations": 0, "kept": 0, "failed": 0, "truncated": 0, "no_loss_tokens": 0, "tokens": 0,
-                       "loss_tokens": 0}
+                       "loss_tokens": 0, "answers_reencoded": 0, "prompt_mismatch": 0}
         atomic_write_text(out / ERRORS_FILE, "")
         write_manifest(out, m)
     remove_temp_files(out)
+    for key in ("answers_reencoded", "prompt_mismatch"):  # a run resumed from an older manifest
+        m["counts"].setdefault(key, 0)
     errors_text = (out / ERRORS_FILE).read_text(encoding="utf-8") if (out / ERRORS_FILE).exists() else ""
     # errors of chunks the manifest lists; lines of a chunk that was cut off are written again
     done_chunks = len(m["shards"])
     errors = [line for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
-
-    from ..target.model import load_tokenizer
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
     if not cfg.server_url:
         m["decoding_path"] = generate.path  # generate, or the fast path's mode (static, graphs, compile)
     via = cfg.server_url or f"local decoding ({generate.path})"
-    fits = lambda messages: len(prompt_ids(tok, messages)) < pcfg.max_length  # noqa: E731
+    fits = lambda messages, answer_ids: len(prompt_ids(tok, messages, answer_ids)) < pcfg.max_length  # noqa: E731
     log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {via}; "
         f"{done_chunks} chunk(s) done before")
     counts = m["counts"]
@@ -264,10 +279,16 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                   "the source changed, rerun `draftsmith prepare --force`")
         results = regenerate_conversations(generate, [c.messages for c in convs], fits)
         samples, texts = [], []
-        for conv, (msgs, reason) in zip(convs, results):
+        for conv, res in zip(convs, results):
+            reason = res.error
             kind = None if reason is None else "truncated" if "truncated" in reason else "failed"
             if reason is None:
-                r = render(tok, msgs, pcfg.max_length)
+                # the target's own answer tokens (local decoding), not a re-encoding of their text
+                r = render(tok, res.messages, pcfg.max_length, [a.ids for a in res.answers])
+                counts["answers_reencoded"] += r.unspliced
+                # a template whose rendering of a prefix differs from its generation prompt (counted, not hidden)
+                counts["prompt_mismatch"] += sum(a.prompt is not None and at < pcfg.max_length and r.input_ids[:at] != a.prompt[:at]
+                                                 for a, at in zip(res.answers, r.answer_starts))
                 if sum(r.loss_mask) < pcfg.min_loss_tokens:
                     kind = "no_loss_tokens"
                     reason = f"fewer than {pcfg.min_loss_tokens} loss tokens after rendering (max_length {pcfg.max_length})"
@@ -278,7 +299,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 continue
             samples.append(Sample(torch.tensor(r.input_ids, dtype=torch.int64), torch.tensor(r.loss_mask, dtype=torch.bool),
                                   conv.index))
-            texts.append(json.dumps({"source_id": conv.source_id, "sample_index": conv.index, "messages": msgs}))
+            texts.append(json.dumps({"source_id": conv.source_id, "sample_index": conv.index, "messages": res.messages}))
             counts["tokens"] += len(r.input_ids)
             counts["loss_tokens"] += sum(r.loss_mask)
         counts["conversations"] += len(convs)

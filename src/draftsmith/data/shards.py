@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from ..artifacts import DraftsmithError, atomic_save_safetensors
 
@@ -29,6 +31,13 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 HIDDEN = ("aux_hidden", "final_hidden")
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
+    """Disk bytes per captured token: aux + final hidden states (+ fp8 scales), ids (4) and mask (1)."""
+    size = torch.empty(0, dtype=STORAGE_DTYPES[storage_dtype]).element_size()
+    scales = (num_aux + 1) * 4 if storage_dtype == "float8_e4m3" else 0
+    return (num_aux + 1) * hidden_size * size + scales + 5
 
 
 def encode_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,9 +132,6 @@ def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[
 
 def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
     """Samples of a shard; hidden states as stored, fp8 ones decoded to float32."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         t = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:

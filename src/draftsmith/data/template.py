@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 from ..artifacts import DraftsmithError
 
@@ -30,6 +30,10 @@ class Rendered:
     truncated: bool
     eot_missing: int = 0
     """Assistant turns whose content is not followed directly by a special token (no EOT learned)."""
+    unspliced: int = 0
+    """Answers given as token ids that kept their text's tokens instead (render's answer_ids)."""
+    answer_starts: list[int] = field(default_factory=list)
+    """Index in input_ids (before the cut to max_length) where each assistant content begins."""
 
 
 def tokenizer_name(tokenizer: Any) -> str:
@@ -148,8 +152,15 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def render(tokenizer: Any, messages: Sequence[dict], max_length: int) -> Rendered:
-    """Token ids, assistant-only loss mask and truncation flag of one conversation."""
+def render(tokenizer: Any, messages: Sequence[dict], max_length: int,
+           answer_ids: Optional[Sequence[Optional[Sequence[int]]]] = None) -> Rendered:
+    """Token ids, assistant-only loss mask and truncation flag of one conversation.
+
+    `answer_ids` (regenerate): per assistant message, in order, the token ids the target generated
+    for its content (None: tokenize its text). They replace the tokens of the re-encoded text, which
+    can differ from what the model emitted (decode -> encode is not the identity), so a regenerated
+    sample holds exactly the target's own tokens. A turn whose content boundaries fall inside a
+    token of the rendered text (no clean cut) keeps its text's tokens and is counted in `unspliced`."""
     if not getattr(tokenizer, "is_fast", False):
         raise DraftsmithError(f"tokenizer {tokenizer_name(tokenizer)}: not a fast tokenizer (no offset mapping); "
                               "give the target folder a tokenizer.json (save it with a fast tokenizer class)")
@@ -160,18 +171,54 @@ def render(tokenizer: Any, messages: Sequence[dict], max_length: int) -> Rendere
     special = _special_ids(tokenizer)
     mask = [0] * len(ids)
     eot_missing, n = 0, len(ids)
+    token_spans = []
     for s, e in spans:
         t0 = bisect.bisect_right(ends, s)  # first token ending inside or after the span start
         while t0 > 0 and starts[t0 - 1] == ends[t0 - 1] == s:  # zero-width (trimmed) tokens at the start
             t0 -= 1
         t1 = max(bisect.bisect_left(starts, e), t0)  # first token starting at or after the span end
         mask[t0:t1] = [1] * (t1 - t0)
+        clean = t1 == t0 or (starts[t0] >= s and ends[t1 - 1] <= e)  # no token straddles a content boundary
+        token_spans.append((t0, t1, clean))
         if t1 < n and starts[t1] == e and ends[t1] > e and ids[t1] in special:
             mask[t1] = 1  # the end-of-turn token written right after the content
         else:
             eot_missing += 1
+    unspliced, answer_starts = 0, [t0 for t0, _, _ in token_spans]
+    if answer_ids is not None:
+        if len(answer_ids) != len(token_spans):
+            raise ValueError(f"answer_ids: {len(answer_ids)} answers for {len(token_spans)} assistant turns")
+        out_ids, out_mask, prev, answer_starts = [], [], 0, []
+        for (t0, t1, clean), new in zip(token_spans, answer_ids):
+            if new is None or not clean:
+                unspliced += new is not None
+                new = ids[t0:t1]
+            out_ids += ids[prev:t0]
+            out_mask += mask[prev:t0]
+            answer_starts.append(len(out_ids))
+            out_ids += list(new)
+            out_mask += [1] * len(new)
+            prev = t1
+        ids, mask = out_ids + ids[prev:], out_mask + mask[prev:]
     truncated = len(ids) > max_length
-    return Rendered(ids[:max_length], mask[:max_length], truncated, eot_missing)
+    return Rendered(ids[:max_length], mask[:max_length], truncated, eot_missing, unspliced, answer_starts)
+
+
+def prompt_ids(tokenizer: Any, messages: Sequence[dict],
+               answer_ids: Optional[Sequence[Optional[Sequence[int]]]] = None) -> list[int]:
+    """Token ids of the prompt for the next assistant answer: the chat template with the generation
+    prompt, without added special tokens (as `render` counts them). With `answer_ids` (one per
+    assistant message so far) the earlier answers are the target's own tokens, as `render` puts them
+    in the finished sample, so the sample's prefix before each answer is exactly the prompt the target
+    answered. Templates whose generation prompt is not an appendix to the plain rendering fall back
+    to re-encoding the whole text."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    if answer_ids is not None and any(a is not None for a in answer_ids):
+        base = apply_template(tokenizer, messages)
+        if text.startswith(base):
+            head = render(tokenizer, messages, 1 << 62, answer_ids).input_ids
+            return head + tokenizer(text[len(base):], add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def render_with_mask(tokenizer: Any, messages: Sequence[dict], max_length: int) -> tuple[list[int], list[int], bool]:

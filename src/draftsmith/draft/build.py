@@ -1,14 +1,13 @@
-"""Build a drafter for a target: its config from the target's config, its init, and the two
-target tensors it needs (input embedding, lm_head) read without loading the target.
+"""Build a drafter for a target: its config from the target's config, and its init from the
+target's input embedding (target/model.py's read_target_embeddings reads it without loading the
+target).
 
 Shapes come from the target's config.json (STYLE.md): hidden size = the target's; heads,
 kv heads, head_dim and MLP width default to the target's unless DraftConfig sets them.
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -99,98 +98,3 @@ def init_drafter(cfg: Eagle3Config, embed_weight: torch.Tensor, d2t: torch.Tenso
         model.t2d.copy_(t2d.to(torch.bool))
     model.embed_tokens.weight.requires_grad_(False)
     return model
-
-
-# ----------------------------------------------------------------------------- target tensors
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from model.safetensors(.index.json)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise DraftsmithError(f"{index}: not a safetensors index ({e}); re-download the model") from None
-        return {k: path / v for k, v in weight_map.items()}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise DraftsmithError(f"{path}: no *.safetensors weights (only safetensors are read); convert the checkpoint to safetensors")
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
-def _find_key(param_name: str, shape: tuple[int, ...], keys: dict[str, Path], shapes) -> Optional[str]:
-    """The checkpoint key of a model parameter: the exact name, else the unique key of the
-    right shape sharing the longest dotted suffix (checkpoints of wrapper models often nest
-    the language model under another prefix than the module tree)."""
-    if param_name in keys:
-        return param_name
-    parts = param_name.split(".")
-    for n in range(len(parts) - 1, 1, -1):
-        suffix = "." + ".".join(parts[-n:])
-        hits = [k for k in keys if (k.endswith(suffix) or k == suffix[1:]) and shapes(k) == shape]
-        if len(hits) == 1:
-            return hits[0]
-    return None
-
-
-def read_target_embeddings(path: str | Path, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """(input embedding [V, H], lm_head weight [V, H], text config) of a local HF model,
-    reading only those tensors. The model is built on the meta device to learn the two
-    parameter names; tied (or absent) heads use the embedding."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..target.model import text_config
-
-    path = Path(path)
-    try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{path}: cannot build the target from its config ({str(e).splitlines()[0][:200]}); "
-                              "target.path must be a local Hugging Face causal LM (set target.trust_remote_code if it ships code)") from None
-    emb_param = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    head_param = head.weight if head is not None else None
-    names: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    tied = head_param is None or head_param is emb_param  # transformers ties them when the config says so
-    declared_tied = bool(getattr(text_config(config), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
-    files = _weight_files(path)
-    handles: dict[Path, Any] = {}
-
-    def handle(f: Path):
-        if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
-        return handles[f]
-
-    def shape_of(key: str) -> tuple[int, ...]:
-        return tuple(handle(files[key]).get_slice(key).get_shape())
-
-    def read(param: torch.Tensor) -> Optional[torch.Tensor]:
-        for name in names[id(param)]:  # a tied parameter has several names; the file holds one
-            key = _find_key(name, tuple(param.shape), files, shape_of)
-            if key is not None:
-                return handle(files[key]).get_tensor(key)
-        return None
-
-    embed = read(emb_param)
-    if embed is None:
-        raise DraftsmithError(f"{path}: no tensor for the input embedding `{names[id(emb_param)][0]}` "
-                              f"of shape {tuple(emb_param.shape)} in the safetensors files; the weights do not match config.json")
-    lm_head = None if tied else read(head_param)
-    if lm_head is None:
-        if not (tied or declared_tied):
-            raise DraftsmithError(f"{path}: no tensor for the output head `{names[id(head_param)][0]}` of shape "
-                                  f"{tuple(head_param.shape)} and tie_word_embeddings is false; the weights do not match config.json")
-        lm_head = embed
-    return embed, lm_head, text_config(config)

@@ -20,15 +20,16 @@ Names follow SGLang's LlamaForCausalLMEagle3 (`midlayer.*`, `fc`, `norm`, `lm_he
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .rope import rope_cos_sin
+from .ttt_attention import repeat_kv, ttt_attention
 
 
 @dataclass
@@ -52,19 +53,6 @@ class Eagle3Config:
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h
     norm_output: bool = False  # the next step reads norm(g), not g
 
-    def save(self, path: str | Path) -> None:
-        from ..artifacts import atomic_write_json
-
-        atomic_write_json(path, asdict(self))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Eagle3Config":
-        from ..artifacts import read_json
-
-        d = read_json(path)
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -77,14 +65,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin of shape [B, T, head_dim] for integer positions [B, T] (HF 'rotate_half' layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -114,18 +94,12 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        from .rope import rope_cos_sin as scaled_rope_cos_sin  # honours cfg.rope_scaling
-
-        cos, sin = scaled_rope_cos_sin(position_ids, c, q.dtype)
+        cos, sin = rope_cos_sin(position_ids, c, q.dtype)  # honours cfg.rope_scaling
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         B, nh, T, hd = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, nh * hd))
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -252,8 +226,6 @@ class Eagle3Drafter(nn.Module):
         steps 1..i. Appends this step's (k, v) to ttt_cache. `attention` picks the kernel
         (draft.ttt_attention: auto = flex on CUDA, a memory-lean chunked kernel elsewhere;
         reference = the naive [L, L + i] scores)."""
-        from .ttt_attention import ttt_attention
-
         layer = self.midlayer
         attn = layer.self_attn
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
@@ -263,41 +235,3 @@ class Eagle3Drafter(nn.Module):
         o = ttt_attention(q, [kv[0] for kv in ttt_cache], [kv[1] for kv in ttt_cache],
                           1.0 / math.sqrt(self.cfg.head_dim), attention)
         return self.output(layer.finish(residual, attn.out(o)))
-
-
-def load_drafter(folder: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """Load a drafter saved by the train stage (config.json + model.safetensors)."""
-    from safetensors.torch import load_file
-
-    from ..artifacts import DraftsmithError
-
-    folder = Path(folder)
-    cfg = Eagle3Config.load(folder / "config.json")
-    model = Eagle3Drafter(cfg)
-    try:
-        state = load_file(str(folder / "model.safetensors"))
-    except Exception as e:  # SafetensorError (not safetensors), OSError (missing)
-        raise DraftsmithError(f"{folder / 'model.safetensors'}: unreadable ({str(e).splitlines()[0][:200]}); retrain or re-export it") from None
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    bad = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    if missing or extra or bad:
-        what = "; ".join(f"{n}: {', '.join(v[:4])}{'...' if len(v) > 4 else ''}"
-                         for n, v in (("missing", missing), ("unexpected", extra), ("wrong shape", bad)) if v)
-        raise DraftsmithError(f"{folder / 'model.safetensors'}: not a drafter for {folder / 'config.json'} ({what}); retrain or re-export it")
-    model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def save_drafter(model: Eagle3Drafter, folder: str | Path) -> str:
-    """Write config.json + model.safetensors atomically; returns the weights' sha256."""
-    from ..artifacts import atomic_save_safetensors
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    sha = atomic_save_safetensors(folder / "model.safetensors",
-                                  {k: v.detach().cpu() for k, v in model.state_dict().items()})
-    model.cfg.save(folder / "config.json")
-    return sha

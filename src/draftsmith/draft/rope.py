@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from ..artifacts import DraftsmithError
+
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
@@ -26,10 +28,9 @@ def rope_type(scaling: Optional[dict]) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _inv_freq(head_dim: int, theta: float, scaling_json: str, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    # why here: transformers takes seconds to import; only a scaled rope needs its init functions
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from ..artifacts import DraftsmithError
 
     scaling = json.loads(scaling_json)
     kind = rope_type(scaling)

@@ -20,13 +20,15 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 AttentionImpl = Literal["auto", "reference", "chunked", "flex"]
 CHUNK_SCORES = 1 << 22  # score elements per query block of the chunked kernel (16 MiB in fp32)
 FLEX_BLOCK = 128
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, nkv, L, hd] -> [B, nkv * n_rep, L, hd]: each key/value head serves n_rep query heads (GQA)."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
@@ -44,29 +46,29 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     if impl == "reference":
         return ttt_attention_reference(q, ks, vs, scale)
     if len(ks) == 1:  # step 0: causal attention, a fused kernel on every device
-        return F.scaled_dot_product_attention(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, repeat_kv(ks[0], n_rep), repeat_kv(vs[0], n_rep), is_causal=True, scale=scale)
     if impl == "flex":
         return ttt_attention_flex(q, ks, vs, scale)
     if impl == "chunked":
-        kd = torch.stack([_repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
-        vd = torch.stack([_repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
-        return _ChunkedTTTAttention.apply(q, _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep), kd, vd, scale)
+        kd = torch.stack([repeat_kv(k, n_rep) for k in ks[1:]], dim=3)  # [B, nh, L, i, hd]
+        vd = torch.stack([repeat_kv(v, n_rep) for v in vs[1:]], dim=3)
+        return _ChunkedTTTAttention.apply(q, repeat_kv(ks[0], n_rep), repeat_kv(vs[0], n_rep), kd, vd, scale)
     raise ValueError(f"unknown TTT attention implementation {impl!r} (auto, reference, chunked, flex)")
 
 
 def ttt_attention_reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float) -> torch.Tensor:
     """The naive form: [L, L] step-0 scores plus i diagonal scores per row, one softmax."""
     n_rep = q.shape[1] // ks[0].shape[1]
-    k0, v0 = _repeat_kv(ks[0], n_rep), _repeat_kv(vs[0], n_rep)
+    k0, v0 = repeat_kv(ks[0], n_rep), repeat_kv(vs[0], n_rep)
     L = q.shape[2]
     s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, L, L]
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     s0 = s0.masked_fill(~causal, float("-inf"))
-    diag = [(q * _repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale for kj in ks[1:]]
+    diag = [(q * repeat_kv(kj, n_rep)).sum(-1, keepdim=True) * scale for kj in ks[1:]]
     s = torch.cat([s0, *diag], dim=-1).to(_acc(q)).softmax(-1).to(q.dtype)
     o = s[..., :L] @ v0
     for j, vj in enumerate(vs[1:]):
-        o = o + s[..., L + j:L + j + 1] * _repeat_kv(vj, n_rep)
+        o = o + s[..., L + j:L + j + 1] * repeat_kv(vj, n_rep)
     return o
 
 
@@ -143,8 +145,6 @@ def _block_scores(q, k0, kd, a: int, b: int, scale: float):
 
 @functools.lru_cache(maxsize=64)
 def _ttt_block_mask(L: int, steps: int, device: str):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask_mod(b, h, q_idx, kv_idx):
         step = kv_idx // L
         pos = kv_idx - step * L
@@ -155,9 +155,7 @@ def _ttt_block_mask(L: int, steps: int, device: str):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    import torch._dynamo
-
-    from torch.nn.attention.flex_attention import flex_attention
+    import torch._dynamo  # why here: ~2.5 s to import; only the compiled (CUDA) path needs it
 
     # One compiled kernel per (padded L, step): a run sees up to max_length/128 * ttt_steps shapes;
     # past dynamo's default limit it would fall back to eager flex, which materialises the scores.
@@ -171,8 +169,6 @@ def ttt_attention_flex(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.T
     multiple of the block size so that the compiled kernel sees few distinct shapes; padded
     keys sit after every real row's keys and are masked, padded query rows are dropped.
     Compiled on CUDA (eager flex materialises the scores: use it only to check the mask)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     L = q.shape[2]
     Lp = -(-L // FLEX_BLOCK) * FLEX_BLOCK
     pad = (0, 0, 0, Lp - L)

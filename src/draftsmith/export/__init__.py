@@ -11,6 +11,8 @@ from pathlib import Path
 
 from ..artifacts import DraftsmithError, finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
 from ..config import Recipe
+from .sglang import export_sglang
+from .vllm import export_vllm
 
 FORMATS = ("sglang", "vllm")
 
@@ -32,13 +34,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     manifest["formats"] = {}
     for fmt in cfg.formats:  # each format is a few seconds of work: redone whole on resume
         if fmt == "sglang":
-            from .sglang import export_sglang
-
             files = export_sglang(drafter_dir, recipe.target.path, out_dir / "sglang", cfg.dtype, cfg.with_embeddings,
                                   trust_remote_code=recipe.target.trust_remote_code)
         else:
-            from .vllm import export_vllm
-
             files = export_vllm(drafter_dir, recipe.target.path, out_dir / "vllm", cfg.dtype, cfg.verifier,
                                 cfg.num_speculative_tokens, cfg.with_embeddings, recipe.target.trust_remote_code)
         manifest["formats"][fmt] = {"dir": fmt, "files": files}

@@ -24,9 +24,14 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file
 
 from ..artifacts import DraftsmithError, finish_manifest, log, new_manifest, read_json, sha256_file
-from ..draft.model import Eagle3Config, Eagle3Drafter, save_drafter
+from ..draft.build import rope_settings
+from ..draft.io import drafter_shapes, save_drafter, state_dict_mismatch
+from ..draft.model import Eagle3Config, Eagle3Drafter
+from ..target.model import read_target_embeddings
+from .checks import check_target, check_vocab_map
 from .conventions import from_sglang, from_vllm
 
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3",)
@@ -56,8 +61,6 @@ def _flags(c: dict, where: str, allowed=("norm_before_fc", "norm_before_residual
 
 def _drafter_config(layer: dict, draft_vocab_size: Optional[int], target_hidden_size: Optional[int],
                     aux_ids: list[int], num_layers: Optional[int], where: str, flags: dict) -> Eagle3Config:
-    from ..draft.build import rope_settings
-
     bad = [k for k in ("attention_bias", "mlp_bias") if layer.get(k)]
     if int(layer.get("num_hidden_layers", 1)) != 1:
         bad.append(f"num_hidden_layers {layer['num_hidden_layers']}")
@@ -83,8 +86,6 @@ def read_checkpoint(folder: str | Path, num_layers: Optional[int], aux_layer_ids
                     ) -> tuple[str, Eagle3Config, dict[str, torch.Tensor]]:
     """(format, drafter config, tensors under our names) of an EAGLE-3 folder. `num_layers`:
     the target's decoder-layer count; `aux_layer_ids` (internal) overrides the file's ids."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     where = str(folder / "config.json")
     c = read_json(folder / "config.json")
@@ -121,8 +122,6 @@ def read_checkpoint(folder: str | Path, num_layers: Optional[int], aux_layer_ids
 def build_drafter(cfg: Eagle3Config, state: dict[str, torch.Tensor], embed_tokens: Optional[torch.Tensor],
                   where: str) -> Eagle3Drafter:
     """A float32 drafter holding exactly these tensors (the embedding from the target when absent)."""
-    from .sglang import check_vocab_map
-
     state = dict(state)
     if "embed_tokens.weight" not in state:
         if embed_tokens is None:
@@ -133,12 +132,8 @@ def build_drafter(cfg: Eagle3Config, state: dict[str, torch.Tensor], embed_token
         state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
     model = Eagle3Drafter(cfg)
     want = model.state_dict()
-    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    bad = sorted(f"{k} {tuple(state[k].shape)} (want {tuple(want[k].shape)})"
-                 for k in set(want) & set(state) if state[k].shape != want[k].shape)
-    if missing or extra or bad:
-        what = "; ".join(f"{n}: {', '.join(v)}" for n, v in (("missing", missing), ("unexpected", extra),
-                                                            ("wrong shape", bad)) if v)
+    what = state_dict_mismatch(state, drafter_shapes(model))
+    if what:
         raise DraftsmithError(f"{where}: weights do not fit draftsmith's EAGLE-3 drafter ({what}); "
                               "only Llama-style EAGLE-3 drafters without biases can be imported")
     check_vocab_map(state["d2t"], state["t2d"], where)
@@ -147,14 +142,22 @@ def build_drafter(cfg: Eagle3Config, state: dict[str, torch.Tensor], embed_token
     return model.eval()
 
 
+def load_sglang(folder: str | Path, embed_tokens: Optional[torch.Tensor] = None,
+                num_layers: Optional[int] = None) -> Eagle3Drafter:
+    """Read a SGLang EAGLE-3 folder back into an Eagle3Drafter (float32, CPU). `embed_tokens`
+    (the target's input embedding) is needed when the folder has none, `num_layers` (the
+    target's) when its config lists no aux layers."""
+    fmt, cfg, state = read_checkpoint(folder, num_layers)
+    if fmt != "sglang":
+        raise DraftsmithError(f"{Path(folder) / 'config.json'}: a {fmt} checkpoint, not SGLang's; use export.importer.import_drafter")
+    return build_drafter(cfg, state, embed_tokens, str(Path(folder) / "model.safetensors"))
+
+
 def import_drafter(src: str | Path, target_path: str | Path, out_dir: str | Path,
                    aux_layer_ids: Optional[list[int]] = None, trust_remote_code: bool = False) -> dict:
     """Read an EAGLE-3 checkpoint for `target_path`, check it against the target, and save it as
     a draftsmith drafter folder (config.json + model.safetensors). Returns what was found:
     format, dtype, with_embeddings, aux ids (internal), sha256 of the source weights."""
-    from ..draft.build import read_target_embeddings
-    from .sglang import check_target
-
     src = Path(src)
     where = str(src / "config.json")
     embed, _, tcfg = read_target_embeddings(target_path, trust_remote_code)
@@ -205,7 +208,8 @@ def main(argv: list[str]) -> int:
     out.add_argument("--run-dir", help="write RUN_DIR/train/drafter + a complete train manifest (then evaluate / export)")
     out.add_argument("--out", help="write a drafter folder here")
     p.add_argument("--aux-layer-ids", help="internal ids (outputs of 0-indexed layers), e.g. 1,29,57; default: from the file")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run code shipped with the target folder (off: only trust a folder you know)")
     args = p.parse_args(argv)
     ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
     if args.run_dir:

@@ -21,7 +21,7 @@ layer i+1 = the OUTPUT of layer i. So the list SGLang reads equals our internal 
 gets no +1. sgl-project/sglang PR #25454 (merged 2026-05) keeps the +1 only when the first id
 is 1 and otherwise reads the list as layer inputs; a list whose first id is not 1 thus means
 different layers to older and newer SGLang, and is refused (export/conventions.py).
-`load_sglang` / export/importer.py read such a folder back.
+export/importer.py reads such a folder back (`load_sglang`, `import_drafter`).
 """
 from __future__ import annotations
 
@@ -33,7 +33,10 @@ from typing import Optional
 import torch
 
 from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, sha256_file
-from ..draft.model import Eagle3Config, Eagle3Drafter, load_drafter
+from ..draft.io import load_drafter, state_dict_mismatch
+from ..draft.model import Eagle3Config, Eagle3Drafter
+from ..target.model import read_text_config
+from .checks import check_target, check_vocab_map
 from .conventions import to_sglang
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -78,47 +81,9 @@ def check_sglang_flags(cfg: Eagle3Config, where: str) -> None:
                               "(it would load and draft wrong); export to vllm, or train with draft.{" + ",".join(on) + "}: false")
 
 
-def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
-    """d2t offsets must land inside the target vocab, on distinct tokens, all marked in t2d."""
-    target_ids = torch.arange(d2t.numel()) + d2t.long()
-    V = t2d.numel()
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= V:
-        raise DraftsmithError(f"{where}: d2t maps a draft token outside the target vocab of {V}; rerun `draftsmith vocab` and retrain")
-    if target_ids.unique().numel() != target_ids.numel():
-        raise DraftsmithError(f"{where}: d2t maps two draft tokens to one target token; rerun `draftsmith vocab` and retrain")
-    if int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()):
-        raise DraftsmithError(f"{where}: t2d does not mark exactly the d2t targets; rerun `draftsmith vocab` and retrain")
-
-
-def target_text_config(target_path: Path, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    from ..target.model import text_config
-
-    try:
-        return text_config(AutoConfig.from_pretrained(str(target_path), trust_remote_code=trust_remote_code))
-    except (OSError, ValueError) as e:
-        raise DraftsmithError(f"{target_path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); "
-                              "set target.path to the model the drafter was trained for") from None
-
-
-def check_target(cfg: Eagle3Config, target_cfg, where: str) -> tuple[float, Optional[dict], int]:
-    """(rope_theta, rope_scaling, max_position_embeddings) of the target, after checking that
-    the drafter was trained for it (vocab, widths, rope, layer count)."""
-    from ..draft.build import rope_settings
-
-    theta, scaling = rope_settings(target_cfg)
-    max_pos = int(getattr(target_cfg, "max_position_embeddings", None) or cfg.max_position_embeddings)
-    checks = {"vocab_size": (cfg.vocab_size, int(target_cfg.vocab_size)),
-              "target_hidden_size": (cfg.target_hidden_size, int(target_cfg.hidden_size)),
-              "rope_theta": (cfg.rope_theta, theta), "rope_scaling": (cfg.rope_scaling or None, scaling)}
-    if cfg.target_num_layers:
-        checks["target_num_layers"] = (cfg.target_num_layers, int(target_cfg.num_hidden_layers))
-    bad = [f"{k} {a} != target's {b}" for k, (a, b) in checks.items() if a != b]
-    if bad:
-        raise DraftsmithError(f"{where}: drafter was not trained for this target ({'; '.join(bad)}); "
-                              "set target.path to the model it was trained for")
-    return theta, scaling, max_pos
+def target_text_config(target_path: str | Path, trust_remote_code: bool = False):
+    """The text config of the target a drafter is exported for (both exporters check against it)."""
+    return read_text_config(target_path, trust_remote_code, fix="set target.path to the model the drafter was trained for")
 
 
 def llama_layer_config(cfg: Eagle3Config, theta: float, scaling: Optional[dict], max_pos: int, dtype: str) -> dict:
@@ -172,14 +137,8 @@ def sglang_state(drafter: Eagle3Drafter, dtype: str, with_embeddings: bool, wher
     state = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
     if not with_embeddings:
         state.pop("embed_tokens.weight", None)
-    need = required_shapes(drafter.cfg, with_embeddings)
-    missing = sorted(set(need) - set(state))
-    extra = sorted(set(state) - set(need))
-    bad = sorted(f"{k} {tuple(state[k].shape)} (want {need[k]})" for k in set(need) & set(state)
-                 if tuple(state[k].shape) != need[k])
-    if missing or extra or bad:
-        what = "; ".join(f"{n}: {', '.join(v)}" for n, v in (("missing", missing), ("unexpected", extra),
-                                                            ("wrong shape", bad)) if v)
+    what = state_dict_mismatch(state, required_shapes(drafter.cfg, with_embeddings))
+    if what:
         raise DraftsmithError(f"{where}: drafter does not map onto SGLang's LlamaForCausalLMEagle3 ({what}); "
                               "the export key map in draftsmith/export/sglang.py needs updating")
     check_vocab_map(state["d2t"], state["t2d"], where)
@@ -197,7 +156,7 @@ def export_sglang(drafter_dir: str | Path, target_path: str | Path, out_dir: str
         raise DraftsmithError(f"export.dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     where = str(drafter_dir / "config.json")
     drafter = load_drafter(drafter_dir)
-    config = sglang_config(drafter.cfg, target_text_config(Path(target_path), trust_remote_code), dtype, where)
+    config = sglang_config(drafter.cfg, target_text_config(target_path, trust_remote_code), dtype, where)
     return write_folder(out_dir, sglang_state(drafter, dtype, with_embeddings, where), config)
 
 
@@ -218,16 +177,3 @@ def write_folder(out_dir: Path, state: dict[str, torch.Tensor], config: dict) ->
     shutil.rmtree(old, ignore_errors=True)
     return [{"file": p.name, "sha256": sha256_file(p), "bytes": p.stat().st_size}
             for p in sorted(out_dir.iterdir()) if p.is_file()]
-
-
-def load_sglang(folder: str | Path, embed_tokens: Optional[torch.Tensor] = None,
-                num_layers: Optional[int] = None) -> Eagle3Drafter:
-    """Read a SGLang EAGLE-3 folder back into an Eagle3Drafter (float32, CPU). `embed_tokens`
-    (the target's input embedding) is needed when the folder has none, `num_layers` (the
-    target's) when its config lists no aux layers."""
-    from .importer import build_drafter, read_checkpoint
-
-    fmt, cfg, state = read_checkpoint(folder, num_layers)
-    if fmt != "sglang":
-        raise DraftsmithError(f"{Path(folder) / 'config.json'}: a {fmt} checkpoint, not SGLang's; use export.importer.import_drafter")
-    return build_drafter(cfg, state, embed_tokens, str(Path(folder) / "model.safetensors"))

@@ -29,9 +29,11 @@ from typing import Optional
 import torch
 
 from ..artifacts import DraftsmithError, read_json
-from ..draft.model import Eagle3Config, Eagle3Drafter, load_drafter
+from ..draft.io import load_drafter
+from ..draft.model import Eagle3Config, Eagle3Drafter
+from .checks import check_target
 from .conventions import to_vllm
-from .sglang import DTYPES, check_target, llama_layer_config, sglang_state, target_text_config, write_folder
+from .sglang import DTYPES, llama_layer_config, sglang_state, target_text_config, write_folder
 
 SPECULATORS_FORMAT = "0.9.0"  # the speculators release whose schema and loader the tests check
 FLAG_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output")  # Eagle3Config fields of the same names

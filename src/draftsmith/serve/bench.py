@@ -29,7 +29,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 from urllib.parse import urlsplit
 
+from jsonargparse import ActionConfigFile
+from tqdm import tqdm
+
 from ..artifacts import DraftsmithError, Ledger, atomic_write_json, package_versions, to_jsonable
+from ..config import cli_parser
+from ..data.readers import load_prompts
 from .metrics import parse_prometheus, spec_window
 
 
@@ -173,7 +178,7 @@ async def _stream(client, url: str, body: dict, t0: float) -> RequestResult:
 
 async def one_request(client, url: str, body: dict, timeout_s: float) -> RequestResult:
     """Send one streaming request; never raises, never outlives `timeout_s`."""
-    import httpx
+    import httpx  # why here: an optional dependency, needed only when requests are sent
 
     t0 = time.perf_counter()
     try:
@@ -304,8 +309,7 @@ def _resolve_metrics_url(given: Optional[str], url: str) -> Optional[str]:
 
 
 async def run_sweep(cfg: BenchServeConfig, prompts: list[str]) -> dict:
-    import httpx
-    from tqdm import tqdm
+    import httpx  # why here: an optional dependency, needed only when requests are sent
 
     eps = [Endpoint(cfg.label, cfg.url, cfg.model or "", _resolve_metrics_url(cfg.metrics_url, cfg.url))]
     if cfg.url_b:
@@ -387,7 +391,7 @@ def format_table(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # why here: ~0.7 s to import, and only this function draws
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -439,8 +443,6 @@ def ledger_summary(res: dict) -> dict:
 
 def run(cfg: BenchServeConfig) -> dict:
     """The whole benchmark: prompts, sweep, results.json, plot, ledger. Returns the results."""
-    from ..data.readers import load_prompts
-
     levels = list(cfg.concurrency)
     if not levels or any(c < 1 for c in levels):
         raise DraftsmithError(f"--concurrency {levels}: give positive integers, e.g. [1,2,4,8]")
@@ -466,10 +468,7 @@ def run(cfg: BenchServeConfig) -> dict:
 
 
 def parse_args(argv: list[str]) -> BenchServeConfig:
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    p = ArgumentParser(prog="draftsmith bench-serve", description=BenchServeConfig.__doc__,
-                       exit_on_error=False, default_env=False)
+    p = cli_parser("draftsmith bench-serve", BenchServeConfig.__doc__, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML with any of the options below")
     p.add_class_arguments(BenchServeConfig, None, fail_untyped=True)
     try:

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import json
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,8 +35,6 @@ class _Server(ThreadingHTTPServer):
     stub: "StubServer"
 
     def handle_error(self, request, client_address) -> None:
-        import sys
-
         if not isinstance(sys.exc_info()[1], ConnectionError):  # clients that hang up are normal here
             super().handle_error(request, client_address)
 
@@ -228,6 +227,7 @@ class StubServer:
 def hf_generator(model_dir: str | Path) -> Callable[[str, int, bool], Iterator[str]]:
     """Greedy generation with a local (tiny) HF model, one decoded token string at a time.
     Requests are served one at a time (a lock): this is a functional server, not a fast one."""
+    # why here: torch and transformers take seconds to import; the stub serves canned text without them
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -13,30 +13,20 @@ Reads `regen/` instead of `data/` when regenerate is enabled.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
-                         remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
+                         remove_temp_files, require_complete, stage_dir, token_stage, verify_shards, write_manifest)
 from ..config import Recipe
-from ..pipeline import token_stage
-from ..data.shards import STORAGE_DTYPES, Sample, length_batches, read_shard, write_shard
+from ..distributed import barrier, from_rank0, init_distributed, rank_device
+from ..data.shards import STORAGE_DTYPES, Sample, bytes_per_token, length_batches, read_shard, write_shard
 from .model import Target, load_target
-
-
-def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
-    """Disk bytes per captured token: aux + final hidden states (+ fp8 scales), ids (4) and mask (1)."""
-    size = torch.empty(0, dtype=STORAGE_DTYPES[storage_dtype]).element_size()
-    scales = (num_aux + 1) * 4 if storage_dtype == "float8_e4m3" else 0
-    return (num_aux + 1) * hidden_size * size + scales + 5
 
 
 def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
@@ -81,41 +71,6 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
     return buf.copy_(x)
 
 
-# ----------------------------------------------------------------------------- ranks
-
-
-@dataclass
-class Ranks:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            torch.distributed.barrier()
-
-    def from_rank0(self, obj: Any) -> Any:
-        """rank 0's `obj` on every rank."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def init_ranks(device: str) -> Ranks:
-    """Rank and world size from torchrun's environment; joins the process group when world > 1
-    (nccl on GPUs, gloo on CPU). World size 1 needs no torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    r = Ranks(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1 and not torch.distributed.is_initialized():
-        gpu = torch.cuda.is_available() and device != "cpu"
-        if gpu:
-            torch.cuda.set_device(r.local_rank)
-        torch.distributed.init_process_group("nccl" if gpu else "gloo")
-    return r
-
-
 def _rank_file(out_dir: Path, rank: int) -> Path:
     return out_dir / f".rank-{rank:05d}.json"
 
@@ -142,18 +97,15 @@ def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.capture
-    ranks = init_ranks(recipe.target.device)
+    info = init_distributed(recipe.target.device)
     data_dir, upstream = token_stage(recipe, run_dir)
     out_dir = stage_dir(run_dir, "capture")
     data_m = require_complete(data_dir, upstream)
-    data_shards = verify_shards(data_dir, data_m, check_hash=ranks.rank == 0)
+    data_shards = verify_shards(data_dir, data_m, check_hash=info.is_main)
     names = [p.name for p in data_shards]
 
-    device = recipe.target.device
-    if ranks.world > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{ranks.local_rank}"
     t_load = time.time()
-    target = load_target(recipe.target.path, device, recipe.target.dtype, recipe.target.trust_remote_code,
+    target = load_target(recipe.target.path, rank_device(recipe.target.device, info), recipe.target.dtype, recipe.target.trust_remote_code,
                          recipe.target.aux_layer_ids, with_tokenizer=False,
                          device_map=getattr(recipe.target, "device_map", None),
                          experts_implementation=recipe.target.experts_implementation)
@@ -161,7 +113,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     bpt = bytes_per_token(len(target.aux_layer_ids), target.hidden_size, cfg.storage_dtype)
 
     error = None
-    if ranks.rank == 0:  # rank 0 alone sets up the folder; the others wait for its verdict
+    if info.is_main:  # rank 0 alone sets up the folder; the others wait for its verdict
         m = load_manifest(out_dir)
         if m is None or m["status"] != "running" or m["fingerprint"] != fp:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -171,24 +123,24 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         m["timings"]["load_target_s"] = load_s
         m.update(aux_layer_ids=target.aux_layer_ids, num_layers=target.num_layers, hidden_size=target.hidden_size,
                  target_vocab_size=target.vocab_size, storage_dtype=cfg.storage_dtype, bytes_per_token=bpt,
-                 target_architecture=type(target.model).__name__, world_size=ranks.world, source=upstream)
+                 target_architecture=type(target.model).__name__, world_size=info.world_size, source=upstream)
         entries = _listed(out_dir, m, fp)
         todo_tokens = sum(s["num_tokens"] for s in data_m["shards"] if s["file"] not in entries)
         need, free = todo_tokens * bpt, shutil.disk_usage(out_dir).free
         log(f"[capture] {todo_tokens:,} tokens x {bpt:,} bytes/token = {need / 2**30:.2f} GiB to write; "
-            f"{free / 2**30:.1f} GiB free; {ranks.world} rank(s)")
+            f"{free / 2**30:.1f} GiB free; {info.world_size} rank(s)")
         if need > free * 0.95:
             error = (f"{out_dir}: capture needs {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB is free; free disk, "
                      "use capture.storage_dtype float8_e4m3 (about half of bfloat16), or capture fewer samples")
         else:
             _merge(m, entries, names)
             write_manifest(out_dir, m)
-    error = ranks.from_rank0(error)
+    error = from_rank0(error, info)
     if error:
         raise DraftsmithError(error)
     m = load_manifest(out_dir)
     entries = _listed(out_dir, m, fp)
-    mine = [p for i, p in enumerate(data_shards) if i % ranks.world == ranks.rank]
+    mine = [p for i, p in enumerate(data_shards) if i % info.world_size == info.rank]
     done_mine = [entries[p.name] for p in mine if p.name in entries]
 
     def record(write, rejected: int) -> None:
@@ -196,8 +148,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         entry = write.result()
         entry["rejected_nonfinite"] = rejected
         done_mine.append(entry)
-        atomic_write_json(_rank_file(out_dir, ranks.rank), {"fingerprint": fp, "shards": done_mine})
-        if ranks.rank == 0 and ranks.world == 1:
+        atomic_write_json(_rank_file(out_dir, info.rank), {"fingerprint": fp, "shards": done_mine})
+        if info.is_main and info.world_size == 1:
             _merge(m, {**entries, **{e["file"]: e for e in done_mine}}, names)
             write_manifest(out_dir, m)
 
@@ -206,7 +158,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # waits for the write in flight and leaves it unlisted: the resumed run rewrites it.
     t0, fwd_tokens, pending = time.time(), 0, None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-writer") as writer:
-        for path in tqdm(mine, desc=f"capture[{ranks.rank}]" if ranks.world > 1 else "capture", unit="shard", disable=None):
+        for path in tqdm(mine, desc=f"capture[{info.rank}]" if info.world_size > 1 else "capture", unit="shard", disable=None):
             if path.name in entries:
                 continue
             samples = read_shard(path, with_hidden=False)
@@ -225,16 +177,16 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         if pending is not None:
             record(*pending)
     dt = time.time() - t0
-    ranks.barrier()  # every rank's shards are written before rank 0 merges
+    barrier(info)  # every rank's shards are written before rank 0 merges
 
-    if ranks.rank == 0:
+    if info.is_main:
         _merge(m, _listed(out_dir, m, fp), names)
         missing = [n for n in names if n not in {s["file"] for s in m["shards"]}]
         if missing:
             raise DraftsmithError(f"{out_dir}: shards {missing[:3]} were not captured by any rank; rerun `draftsmith capture`")
         if fwd_tokens:
             # rank 0's rate x ranks: the ranks share the shards evenly
-            m["metrics"]["capture_tokens_per_s"] = round(fwd_tokens / max(dt, 1e-9) * ranks.world, 1)
+            m["metrics"]["capture_tokens_per_s"] = round(fwd_tokens / max(dt, 1e-9) * info.world_size, 1)
         m["timings"]["capture_s"] = round(m["timings"].get("capture_s", 0) + dt, 3)
         counts = m["counts"]
         if counts["rejected_nonfinite"]:
@@ -249,5 +201,5 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         for p in out_dir.glob(".rank-*.json"):
             p.unlink()
         m = finish_manifest(out_dir, m)
-    ranks.barrier()
+    barrier(info)
     return load_manifest(out_dir)

@@ -9,24 +9,19 @@ models (`model.language_model.layers`).
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 
 from ..artifacts import DraftsmithError
+from ..distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DraftsmithError(f"device {device!r} asked for but no CUDA GPU is visible; set device: cpu (or auto)")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -41,7 +36,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # why here: transformers takes seconds to import; only loaders need it
 
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -50,9 +45,31 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
                               "the folder needs tokenizer.json / tokenizer_config.json") from None
 
 
+def eos_token_ids(target: "Target") -> list[int]:
+    """Every id that ends the target's answer: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    for v in (getattr(target.tokenizer, "eos_token_id", None),
+              getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)):
+        ids.update(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
+    return sorted(int(i) for i in ids)
+
+
 def text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get() if get is not None else config
+
+
+def read_text_config(path: str | Path, trust_remote_code: bool = False,
+                     fix: str = "set target.path to a local Hugging Face model folder") -> Any:
+    """The text config of a local model folder's config.json (the decoder's, also under a
+    multimodal wrapper), without loading weights; `fix` ends the error when it cannot be read."""
+    from transformers import AutoConfig  # why here: transformers takes seconds to import; only loaders need it
+
+    path = Path(path)
+    try:
+        return text_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"{path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); {fix}") from None
 
 
 def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[str, nn.ModuleList]:
@@ -152,6 +169,7 @@ def model_class(config: Any):
     """The Auto class that builds this config with an LM head: AutoModelForCausalLM, or for
     wrappers it does not map (Llava, Qwen2-VL, Mistral3: decoder under `language_model`)
     AutoModelForImageTextToText."""
+    # why here: transformers takes seconds to import; only loaders need it
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -167,7 +185,7 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
 
     device_map (e.g. "auto", "balanced", a {module: device} dict) spreads a large target over
     the visible GPUs through accelerate; inputs then go to the embedding's device."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # why here: transformers takes seconds to import; only loaders need it
 
     path = Path(path)
     if not (path / "config.json").exists():
@@ -199,3 +217,93 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
     t = Target(model, tok, aux_layer_ids)
     t._install_final_hook()
     return t
+
+
+# ----------------------------------------------------------------------------- target tensors without loading the target
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from model.safetensors(.index.json)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise DraftsmithError(f"{index}: not a safetensors index ({e}); re-download the model") from None
+        return {k: path / v for k, v in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DraftsmithError(f"{path}: no *.safetensors weights (only safetensors are read); convert the checkpoint to safetensors")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def _find_key(param_name: str, shape: tuple[int, ...], keys: dict[str, Path], shapes) -> Optional[str]:
+    """The checkpoint key of a model parameter: the exact name, else the unique key of the
+    right shape sharing the longest dotted suffix (checkpoints of wrapper models often nest
+    the language model under another prefix than the module tree)."""
+    if param_name in keys:
+        return param_name
+    parts = param_name.split(".")
+    for n in range(len(parts) - 1, 1, -1):
+        suffix = "." + ".".join(parts[-n:])
+        hits = [k for k in keys if (k.endswith(suffix) or k == suffix[1:]) and shapes(k) == shape]
+        if len(hits) == 1:
+            return hits[0]
+    return None
+
+
+def read_target_embeddings(path: str | Path, trust_remote_code: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(input embedding [V, H], lm_head weight [V, H], text config) of a local HF model,
+    reading only those tensors. The model is built on the meta device to learn the two
+    parameter names; tied (or absent) heads use the embedding."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # why here: seconds to import; only loaders need it
+
+    path = Path(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(f"{path}: cannot build the target from its config ({str(e).splitlines()[0][:200]}); "
+                              "target.path must be a local Hugging Face causal LM (set target.trust_remote_code if it ships code)") from None
+    emb_param = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_param = head.weight if head is not None else None
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    tied = head_param is None or head_param is emb_param  # transformers ties them when the config says so
+    declared_tied = bool(getattr(text_config(config), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    files = _weight_files(path)
+    handles: dict[Path, Any] = {}
+
+    def handle(f: Path):
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f]
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        return tuple(handle(files[key]).get_slice(key).get_shape())
+
+    def read(param: torch.Tensor) -> Optional[torch.Tensor]:
+        for name in names[id(param)]:  # a tied parameter has several names; the file holds one
+            key = _find_key(name, tuple(param.shape), files, shape_of)
+            if key is not None:
+                return handle(files[key]).get_tensor(key)
+        return None
+
+    embed = read(emb_param)
+    if embed is None:
+        raise DraftsmithError(f"{path}: no tensor for the input embedding `{names[id(emb_param)][0]}` "
+                              f"of shape {tuple(emb_param.shape)} in the safetensors files; the weights do not match config.json")
+    lm_head = None if tied else read(head_param)
+    if lm_head is None:
+        if not (tied or declared_tied):
+            raise DraftsmithError(f"{path}: no tensor for the output head `{names[id(head_param)][0]}` of shape "
+                                  f"{tuple(head_param.shape)} and tie_word_embeddings is false; the weights do not match config.json")
+        lm_head = embed
+    return embed, lm_head, text_config(config)

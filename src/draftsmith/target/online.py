@@ -8,7 +8,7 @@ With the same batch composition (capture.batch_tokens) the tensors are bit-ident
 offline ones, so training on them gives the same drafter.
 
 The train loop's use (train/loop.py, train.online: true): it keeps the token index
-(train.data.TokenIndex) and batch plan it builds from data/ shards, and replaces
+(train/data.py's TokenIndex) and batch plan it builds from data/ shards, and replaces
 `index.batch(sample_ids)` by
     online_batch(target, index.samples(sample_ids), recipe.capture.storage_dtype, recipe.capture.batch_tokens)
 with `target = load_target(...)` loaded once next to the drafter.
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
+from ..artifacts import DraftsmithError
+from ..data.batch import Batch, pad_batch
 from ..data.shards import Sample, round_to_storage
-from ..train.data import Batch
 from .capture import capture_samples
 from .model import Target
 
@@ -37,30 +36,12 @@ def online_samples(target: Target, samples: Sequence[Sample], storage_dtype: str
     return good, rejected
 
 
-def pad_batch(samples: Sequence[Sample]) -> Batch:
-    """Right-padded train Batch (token 0, mask 0, zero states past each end), as CaptureIndex.batch."""
-    L = max(len(s) for s in samples)
-    B = len(samples)
-    first = samples[0]
-    ids = torch.zeros(B, L, dtype=torch.int64)
-    mask = torch.zeros(B, L, dtype=torch.float32)
-    aux = torch.zeros(B, L, first.aux_hidden.shape[-1], dtype=first.aux_hidden.dtype)
-    fin = torch.zeros(B, L, first.final_hidden.shape[-1], dtype=first.final_hidden.dtype)
-    for r, s in enumerate(samples):
-        n = len(s)
-        ids[r, :n], mask[r, :n] = s.input_ids, s.loss_mask.float()
-        aux[r, :n], fin[r, :n] = s.aux_hidden, s.final_hidden
-    return Batch(ids, mask, aux, fin, sum(len(s) for s in samples))
-
-
 def online_batch(target: Target, samples: Sequence[Sample], storage_dtype: str = "bfloat16",
                  batch_tokens: int = 8192) -> Batch:
     """One train Batch straight from the target's forward. A sample with NaN/inf states is left
     out (as capture rejects it); when all are, the error names the first sample."""
     good, _ = online_samples(target, samples, storage_dtype, batch_tokens)
     if not good:
-        from ..artifacts import DraftsmithError
-
         raise DraftsmithError(f"online capture: sample {samples[0].sample_index}: every sample of the batch has NaN/inf "
                               "hidden states; check the target's dtype (target.dtype float32) and weights")
     return pad_batch(good)

@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError, _fsync_dir, atomic_write_json, atomic_write_text, read_json
-from .distributed import DistInfo, barrier
+from ..artifacts import DraftsmithError, atomic_write_json, atomic_write_text, fsync_dir, read_json
+from ..distributed import DistInfo, barrier
 
 KEEP = 2
 LATEST = "latest"
@@ -71,7 +72,7 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer, names: dict[str, 
     """(flat DCP state {key: tensor or DTensor}, the optimizer state dict it aliases).
     `names` maps the module's parameter FQNs to checkpoint names. Creates the AdamW state if
     the optimizer has not stepped yet, so that a load has tensors to fill."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # why here: torch.distributed.checkpoint takes ~1.5 s to import; only saves and loads need it
 
     osd = get_optimizer_state_dict(model, opt)
     flat = {f"model.{names[n]}": p for n, p in model.named_parameters() if n in names}
@@ -85,7 +86,7 @@ def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: tor
                     names: dict[str, str], meta: dict[str, Any], info: DistInfo) -> Path:
     """Every rank writes its shards into a temporary folder; rank 0 adds meta.json, renames the
     folder into place, points `latest` at it and prunes old ones. Returns the folder."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # why here: torch.distributed.checkpoint takes ~1.5 s to import; only saves and loads need it
 
     name = step_dir_name(step)
     final, tmp = train_dir / name, train_dir / f".{name}.tmp"
@@ -105,7 +106,7 @@ def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: tor
         if final.exists():  # the same step saved again (a rerun of a finished run)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(train_dir)
+        fsync_dir(train_dir)
         atomic_write_text(train_dir / LATEST, name + "\n")
         steps = sorted((int(m.group(1)), p) for p in train_dir.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir())
         for _, p in steps[:-KEEP]:
@@ -129,9 +130,8 @@ def find_latest(train_dir: Path) -> Optional[Path]:
 def load_checkpoint(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, names: dict[str, str]) -> dict:
     """Fill the (possibly sharded) model and optimizer from a step folder, whatever world size
     wrote it. Returns meta.json."""
+    # why here: torch.distributed.checkpoint takes ~1.5 s to import; only saves and loads need it
     import torch.distributed.checkpoint as dcp
-    from safetensors import SafetensorError
-    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     meta = read_json(folder / "meta.json")

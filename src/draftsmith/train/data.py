@@ -20,30 +20,18 @@ hence the batch plans are the same; the hidden states then come from the target'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError
+from ..data.batch import Batch
 from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard
 
 CHUNK = 1024
 REQUIRED = ("input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden")
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # int64 [B, L], 0 past each sample's end
-    loss_mask: torch.Tensor  # float32 [B, L], 0 past each sample's end
-    aux_hidden: torch.Tensor  # [B, L, n_aux * H] storage dtype
-    final_hidden: torch.Tensor  # [B, L, H] storage dtype
-    num_tokens: int  # real (unpadded) tokens
-
-    def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.loss_mask, self.aux_hidden, self.final_hidden)), self.num_tokens)
 
 
 class _Lengths:
@@ -72,8 +60,6 @@ class CaptureIndex(_Lengths):
     (`trainable_length`)."""
 
     def __init__(self, paths: Sequence[Path], max_length: int, hidden_size: int, num_aux: int):
-        from safetensors import SafetensorError, safe_open
-
         self.paths = [Path(p) for p in paths]
         self.max_length = int(max_length)
         self._handles: dict[int, Any] = {}

@@ -7,7 +7,7 @@ embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/eval.jsonl        held-out evaluations (simulated acceptance length per eval)
     train/tensorboard/      the same as TensorBoard scalars, plus tokens/s, MFU, peak memory
     train/best/             the drafter with the best held-out simulated tau (when heldout_samples > 0)
-    train/drafter/          the final drafter (config.json + model.safetensors, draft.model.save_drafter)
+    train/drafter/          the final drafter (config.json + model.safetensors, draft/io.py's save_drafter)
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
 A step takes batch_tokens // micro_batch_tokens consecutive micro-batches of the epoch plan,
 dealt round-robin to the ranks; each micro-batch's loss is a fraction of the global batch's
@@ -42,17 +42,22 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, atomic_write_json, atomic_write_text, finish_manifest, load_manifest, log,
-                         new_manifest, remove_temp_files, require_complete, stage_dir, to_jsonable, verify_shards, write_manifest)
+from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
+                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage,
+                         verify_shards, write_manifest)
 from ..config import Recipe
-from ..draft.build import drafter_config, init_drafter, read_target_embeddings
-from ..draft.model import Eagle3Drafter, save_drafter
-from ..target.model import Target, load_target, resolve_dtype
+from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
+                           rank_device)
+from ..draft.build import drafter_config, init_drafter
+from ..draft.io import save_drafter
+from ..draft.model import Eagle3Drafter
+from ..target.model import Target, load_target, read_target_embeddings, resolve_dtype
+from ..target.online import online_batch
 from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, TokenIndex, epoch_plan
-from .distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize
 from .flops import peak_flops, train_flops_per_token
 from .ttt import TTTLoss, position_weights, simulated_tau
 
@@ -143,25 +148,6 @@ def heldout_split(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]
     return sorted(order[heldout:]), sorted(order[:heldout])
 
 
-def _append_jsonl(f, record: dict) -> None:
-    f.write(json.dumps(record) + "\n")
-    f.flush()
-
-
-def _records_upto(path: Path, step: int) -> list[dict]:
-    """The JSONL records of steps <= step (a crash may have torn the last line)."""
-    recs = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec["step"] <= step:
-                recs.append(rec)
-    return recs
-
-
 def _fmt_s(s: float) -> str:
     s = int(max(0, s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -182,7 +168,7 @@ def _window_metrics(window: deque, k: int) -> dict:
 def _peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
+    import resource  # why here: a Unix-only module, needed only off CUDA
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
 
@@ -191,6 +177,7 @@ def full_drafter(model: TTTLoss, cfg, info: DistInfo):
     """The whole drafter (float32, CPU) on rank 0, None elsewhere; a collective when sharded."""
     if not is_sharded(model):
         return model.drafter
+    # why here: torch.distributed.checkpoint takes ~1.5 s to import; one rank never needs it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -221,11 +208,8 @@ def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
         raise DraftsmithError(f"target.device_map {device_map!r} with train.online under torchrun ({info.world_size} ranks): every rank "
                               "would spread its own copy of the target over all GPUs; unset target.device_map (one target per rank) "
                               "or capture offline (train.online: false)")
-    device = t.device
-    if info.world_size > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{info.local_rank}"
     t0 = time.time()
-    target = load_target(t.path, device, t.dtype, t.trust_remote_code, t.aux_layer_ids, with_tokenizer=False,
+    target = load_target(t.path, rank_device(t.device, info), t.dtype, t.trust_remote_code, t.aux_layer_ids, with_tokenizer=False,
                          device_map=device_map, experts_implementation=t.experts_implementation)
     return target, round(time.time() - t0, 3)
 
@@ -242,8 +226,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
     vocab_dir, out_dir = stage_dir(run_dir, "vocab"), stage_dir(run_dir, "train")
     if tc.online:  # token shards in, the target's forward per micro-batch (target/online.py)
-        from ..pipeline import token_stage
-
         src_dir, src_stage = token_stage(recipe, run_dir)
     else:
         src_dir, src_stage = stage_dir(run_dir, "capture"), "capture"
@@ -313,8 +295,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # Online: the same samples, cuts and order as a CaptureIndex over the capture of these token
     # shards, so the batch plans below are the same; only where the hidden states come from differs.
     if tc.online:
-        from ..target.online import online_batch
-
         index = TokenIndex(shard_paths, tc.max_length)
         top, where = index.max_token_id()
         if top >= target.vocab_size:
@@ -366,7 +346,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         skipped, in_a_row = int(meta.get("skipped_nonfinite", 0)), int(meta.get("nonfinite_in_a_row", 0))
         best_tau = meta.get("best_tau")
         for path in (metrics_path, eval_path):
-            recs = _records_upto(path, step)
+            recs = [r for r in read_jsonl(path) if r["step"] <= step]  # a crash may have torn the last line
             if main:
                 atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in recs))
             if path == metrics_path:
@@ -390,14 +370,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             + (f"; online: target forward on {target.device} ({str(target.dtype).replace('torch.', '')}), states rounded to "
                f"{recipe.capture.storage_dtype}, read from {src_dir}" if tc.online else ""))
 
-    writer = metrics_file = eval_file = bar = None
+    writer = bar = None
     if main:
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
+        from torch.utils.tensorboard import SummaryWriter  # why here: tensorboard is heavy, and only rank 0 writes
 
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
-        metrics_file = open(metrics_path, "a", encoding="utf-8")
-        eval_file = open(eval_path, "a", encoding="utf-8")
         bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
                    disable=not sys.stderr.isatty())
     start_step, t_start = step, time.time()
@@ -490,7 +467,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             tokens_window += step_tokens
             tokens_session += step_tokens
             if main:
-                _append_jsonl(metrics_file, rec)
+                append_jsonl(metrics_path, rec)
                 bar.update(1)
                 if ok:
                     writer.add_scalar("train/loss", loss, step)
@@ -527,7 +504,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     best_tau = ev["tau"]
                 best = full_drafter(model, cfg, info) if better else None
                 if main:
-                    _append_jsonl(eval_file, ev)
+                    append_jsonl(eval_path, ev)
                     writer.add_scalar("eval/loss", ev["loss"], step)
                     writer.add_scalar("eval/tau_simulated", ev["tau"], step)
                     for i, a in enumerate(ev["acc"]):
@@ -544,8 +521,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     write_manifest(out_dir, manifest)
     finally:
         if main:
-            metrics_file.close()
-            eval_file.close()
             writer.close()
             bar.close()
 
@@ -579,6 +554,4 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
 
 def read_json_safe(path: Path) -> dict:
-    from ..artifacts import read_json
-
     return read_json(path) if path.exists() else {}

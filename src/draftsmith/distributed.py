@@ -1,19 +1,29 @@
-"""One process group setup and FSDP2 applied from outside the model, for 1..N ranks.
+"""The one process-group setup of every stage that runs on several ranks (capture, train, online
+training), and FSDP2 applied from outside the model, for 1..N ranks.
 
-`init_distributed()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/
-PORT via env://); without it the world is one process and no process group is created.
-`parallelize()` shards a module with FSDP2 (`fully_shard`) at world size > 1 and returns it
-unchanged at world size 1: the training loop is the same code either way. See docs/distributed.md.
+`init_distributed()` reads torchrun's environment (artifacts.torchrun_ranks: RANK, WORLD_SIZE,
+LOCAL_RANK; MASTER_ADDR/PORT via env://); without it the world is one process and no process group
+is created. `parallelize()` shards a module with FSDP2 (`fully_shard`) at world size > 1 and
+returns it unchanged at world size 1: the training loop is the same code either way. See
+docs/distributed.md.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..target.model import resolve_device
+from .artifacts import DraftsmithError, torchrun_ranks
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DraftsmithError(f"device {device!r} asked for but no CUDA GPU is visible; set device: cpu (or auto)")
+    return torch.device(device)
 
 
 @dataclass(frozen=True)
@@ -31,8 +41,7 @@ class DistInfo:
 def init_distributed(device: str = "auto") -> DistInfo:
     """(rank, world size, local rank, device). Under torchrun: env:// rendezvous, NCCL on GPU
     (one GPU per local rank), gloo on CPU. Idempotent: a second call reuses the group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world, local_rank = torchrun_ranks()
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
@@ -48,12 +57,21 @@ def init_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world, local_rank, dev)
 
 
+def rank_device(device: str, info: DistInfo) -> str:
+    """The device this rank loads the target on: under torchrun, `auto` and `cuda` mean the
+    rank's own GPU (cuda:LOCAL_RANK); anything else (cpu, cuda:N) as given."""
+    if info.world_size > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{info.local_rank}"
+    return device
+
+
 def parallelize(module: torch.nn.Module, info: DistInfo, param_dtype: torch.dtype) -> torch.nn.Module:
     """Shard `module`'s parameters over all ranks with FSDP2. Parameters stay float32 (master
     weights, so the optimizer state is float32); each forward all-gathers them in param_dtype
     and gradients are reduce-scattered in float32. World size 1: returned unchanged."""
     if info.world_size == 1:
         return module
+    # why here: the FSDP modules take ~1.8 s to import, and one rank never needs them
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -63,7 +81,7 @@ def parallelize(module: torch.nn.Module, info: DistInfo, param_dtype: torch.dtyp
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # why here: ~1.8 s to import, needed only to ask
 
     return isinstance(module, FSDPModule)
 
@@ -77,6 +95,15 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()
+
+
+def from_rank0(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's `obj` on every rank (a collective: every rank must call it)."""
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,224 @@
+"""The measurement runs of the evaluate stage: plain decoding and each speculative method on one
+prompt or one batch, on the run's decode runners (the fast path's or eager), timed with the
+device synchronised; and the lossless check, which tells a rounding tie from a bug by one
+independent forward.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from ..artifacts import DraftsmithError
+from ..speculate.eagle3 import Eagle3Proposer
+from ..speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
+from ..speculate.fast import FastDraft, FastTarget, choose_mode, fast_target_or_none
+from ..speculate.ngram import NgramProposer
+
+SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
+# Relative top-1 vs chosen-token logit gap below which a divergence counts as a rounding tie:
+# a verify forward over k+1 rows may round differently from single-row forwards, and in 16-bit
+# dtypes the difference grows through the layers. bf16: on the H200 the 12-layer MoE reference
+# target's graphed 1-row plain decoding chose tokens up to 0.063 below an uncached forward's top
+# (31 divergences, 2026-12-03 driver run, call C), so 0.1; float16 has 8x finer rounding.
+# In bf16 the check catches only gross errors: exactness is tested in float32 (tests/test_fast.py).
+TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.02}
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def check_methods(cfg, where: str) -> list[str]:
+    """Methods in a fixed order; plain is the reference and always runs."""
+    bad = [m for m in cfg.methods if m not in (*SPEC_METHODS, "plain")]
+    if bad:
+        raise DraftsmithError(f"{where}: evaluate.methods {bad} unknown; choose from {[*SPEC_METHODS, 'plain']}")
+    if cfg.draft_steps < 1 or cfg.max_new_tokens < 1 or cfg.tree_depth < 1 or cfg.tree_topk < 1 or cfg.tree_budget < 1:
+        raise DraftsmithError(f"{where}: evaluate.draft_steps, max_new_tokens, tree_depth, tree_topk and tree_budget "
+                              "must be >= 1")
+    if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
+        raise DraftsmithError(f"{where}: evaluate.batch_sizes {cfg.batch_sizes} must be a non-empty list of sizes >= 1")
+    return [m for m in SPEC_METHODS if m in cfg.methods]
+
+
+def method_depth(cfg, method: str) -> int:
+    return cfg.tree_depth if method == "eagle3_tree" else cfg.draft_steps
+
+
+class DecodeRunners:
+    """The decode runners every measurement of one evaluate run shares (evaluate.fast), cached per
+    batch size: a FastTarget and a FastDraft (static caches, graphs captured once and reused), or
+    neither (eager). With `auto`, a target the fast path cannot run (sliding-window layers, a
+    target spread over several GPUs) falls back to eager with a log line; an explicit mode errs."""
+
+    def __init__(self, target=None, drafter=None, mode: str = "off"):
+        self.target_model, self.drafter, self.requested = target, drafter, mode
+        self.mode = choose_mode(mode, target) if target is not None else "off"
+        self._by_batch: dict[int, tuple] = {}
+
+    def get(self, batch: int) -> tuple[Optional[FastTarget], Optional[FastDraft]]:
+        if self.mode == "off":
+            return None, None
+        if batch not in self._by_batch:
+            ft = fast_target_or_none(self.target_model, self.mode, self.requested, "evaluate.fast",
+                                     "eager decoding for plain and every method", batch_size=batch)
+            if ft is None:
+                self.mode = "off"
+                return None, None
+            self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs))
+        return self._by_batch[batch]
+
+
+EAGER_RUNNERS = DecodeRunners()
+"""No fast path: plain and speculative decoding on the eager target."""
+
+
+def make_proposer(method: str, drafter, cfg, batch: int, generator=None, runners: DecodeRunners = EAGER_RUNNERS):
+    fast = runners.get(batch)[1]
+    if method == "eagle3_chain":
+        return Eagle3Proposer(drafter, topk=1, budget=cfg.draft_steps, temperature=cfg.temperature, generator=generator,
+                              fast=fast)
+    if method == "eagle3_tree":
+        return Eagle3Proposer(drafter, topk=cfg.tree_topk, budget=cfg.tree_budget, temperature=cfg.temperature,
+                              generator=generator, fast=fast)
+    if method == "ngram":
+        return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
+    raise ValueError(method)
+
+
+def seeded_generator(target, cfg, salt: int) -> Optional[torch.Generator]:
+    if cfg.temperature <= 0:
+        return None
+    return torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + salt)
+
+
+def timed(where, fn):
+    """(fn(), seconds), the device synchronised before and after; `where` is a device or has one."""
+    device = getattr(where, "device", where)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    r = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return r, time.perf_counter() - t0
+
+
+def run_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None, runners: DecodeRunners = EAGER_RUNNERS,
+              max_new_tokens=None) -> tuple[list[list[int]], float]:
+    """Plain decoding, the baseline: on the fast path its own graphed loop (the token fed back on
+    the GPU), else one eager forward per token."""
+    n, T = max_new_tokens or cfg.max_new_tokens, cfg.temperature
+    fast = runners.get(len(prompts))[0]
+    if fast is not None:
+        return timed(target, lambda: fast.plain(prompts, n, eos_ids, T))
+    if len(prompts) == 1:
+        out, s = timed(target, lambda: plain_generate(target, prompts[0], n, eos_ids, T, generator))
+        return [out], s
+    return timed(target, lambda: plain_generate_batch(target, prompts, n, eos_ids, T, generator))
+
+
+def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_ids, generator=None, max_new_tokens=None,
+               runners: DecodeRunners = EAGER_RUNNERS):
+    """(new tokens per prompt, SpecStats per prompt, wall seconds) of one speculative method."""
+    prop = make_proposer(method, drafter, cfg, len(prompts), generator, runners)
+    (new, stats), s = timed(target, lambda: generate(target, prop, prompts, max_new_tokens or cfg.max_new_tokens,
+                                                      method_depth(cfg, method), eos_ids, cfg.temperature, generator,
+                                                      fast=runners.get(len(prompts))[0], resident=cfg.resident))
+    return new, stats, s
+
+
+# ----------------------------------------------------------------------------- one prompt
+
+
+def _first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergence_gaps(target, prompt_ids: list[int], plain: list[int], spec: list[int], pos: int):
+    """(gap of plain's token, gap of spec's token) below the top logit of ONE independent, uncached
+    forward of the common prefix, relative to |top|; None when one side ended at `pos`."""
+    if pos >= min(len(plain), len(spec)):
+        return None
+    logits = target.forward(torch.tensor([prompt_ids + plain[:pos]], device=target.device)).logits[0, -1].float()
+    top = logits.max()
+    scale = top.abs().clamp(min=1.0)
+    return float((top - logits[plain[pos]]) / scale), float((top - logits[spec[pos]]) / scale)
+
+
+def classify_divergence(gaps, dtype: torch.dtype) -> str:
+    """tie:      the speculative token is (within the dtype's rounding) the top of the independent
+                 forward too: two near-equal logits, rounded differently by differently shaped forwards;
+    numeric:  the independent forward sides with neither decoder: rounding alone moves the top by
+                 more than the tolerance here (bf16 MoE targets, whose routing can flip);
+    bug:      the independent forward agrees with plain decoding and not with the speculative one."""
+    if gaps is None:
+        return "bug"
+    tol = TIE_TOLERANCE.get(dtype, 1e-5)
+    gap_plain, gap_spec = gaps
+    if gap_spec <= tol:
+        return "tie"
+    return "numeric" if gap_plain > tol else "bug"
+
+
+def _gap(gaps, i: int) -> str:
+    return "n/a" if gaps is None else f"{gaps[i]:.4g}"
+
+
+def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, method: str) -> dict:
+    """{lossless, first_difference, divergence, gap_plain, gap_spec, near_tie_gap}; raises on a
+    divergence classified `bug` (see classify_divergence) when `check`."""
+    rec = {"lossless": spec == plain, "first_difference": None, "divergence": None, "gap_plain": None,
+           "gap_spec": None, "near_tie_gap": None}
+    if spec != plain:
+        pos = _first_difference(plain, spec)
+        gaps = divergence_gaps(target, prompt_ids, plain, spec, pos)
+        kind = classify_divergence(gaps, target.dtype)
+        rec.update(first_difference=pos, divergence=kind, gap_plain=gaps and gaps[0], gap_spec=gaps and gaps[1],
+                   near_tie_gap=gaps[1] if kind == "tie" else None)
+        if check and kind == "bug":
+            got = spec[pos] if pos < len(spec) else "end"
+            want = plain[pos] if pos < len(plain) else "end"
+            raise DraftsmithError(f"{where}: {method}: speculative output differs from plain greedy decoding at new token "
+                                  f"{pos} (plain {want}, speculative {got}), and an independent forward agrees with plain "
+                                  f"decoding: no rounding tie (logit gaps to its top: plain {_gap(gaps, 0)}, speculative "
+                                  f"{_gap(gaps, 1)}, tie tolerance {TIE_TOLERANCE.get(target.dtype, 1e-5):g}). This is a draftsmith bug "
+                                  "unless the target's routing or kernels differ by row count in this dtype; please report it "
+                                  "(set evaluate.check_lossless false to measure anyway)")
+    return rec
+
+
+def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[str], eos_ids: list[int],
+                    salt: int, where: str, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
+    """Plain and every method on one prompt, batch 1."""
+    [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, seeded_generator(target, cfg, salt), runners)
+    rec = {"prompt_tokens": len(prompt_ids), "plain_new_tokens": len(plain), "plain_s": plain_s, "plain_tokens": plain,
+           "methods": {}}
+    for m in methods:
+        [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, seeded_generator(target, cfg, salt),
+                                          runners=runners)
+        r = {"new_tokens": len(spec), "spec_s": spec_s, "target_s": st.target_s, "draft_s": st.draft_s,
+             "rounds": st.rounds, "emitted": sum(st.emitted_per_round),
+             "drafted_per_round": st.drafted_per_round, "accepted_per_round": st.accepted_per_round,
+             "drafted": st.drafted, "reached": st.reached, "accepted": st.accepted}
+        if cfg.temperature <= 0:
+            r.update(lossless_check(target, prompt_ids, plain, spec, cfg.check_lossless, where, m))
+        rec["methods"][m] = r
+    return rec
+
+
+def evaluate_batch(target, drafter, prompts: list[list[int]], references: list[list[int]], cfg, methods, eos_ids,
+                   salt: int, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
+    """Plain and every method on one batch of prompts; outputs compared with the batch-1 plain ones."""
+    plain, plain_s = run_plain(target, prompts, cfg, eos_ids, seeded_generator(target, cfg, salt), runners)
+    rec = {"batch_size": len(prompts), "plain_s": plain_s, "plain_new_tokens": sum(map(len, plain)), "methods": {}}
+    for m in methods:
+        new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, seeded_generator(target, cfg, salt), runners=runners)
+        rec["methods"][m] = {"spec_s": s, "new_tokens": sum(map(len, new)), "rounds": sum(st.rounds for st in stats),
+                             "emitted": sum(sum(st.emitted_per_round) for st in stats),
+                             "identical": sum(a == b for a, b in zip(new, references))}
+    return rec

@@ -1,0 +1,202 @@
+"""The evaluate stage: EAGLE-3 (chain and tree), n-gram and plain decoding of the same target.
+
+For every benchmark prompt (MT-Bench both turns: turn 2 follows the target's own first answer;
+HumanEval; any JSONL of prompts), rendered with the target's chat template, every method runs
+in this process, one after the other, after one warm-up (measure.py). Reported per method
+(report.py):
+    tau         tokens emitted per target verification forward (the target's own token counted)
+    per position: P(accept | reached) and P(accept) for draft depths 1..k, and a histogram
+    tokens/s and the speedup (plain time / method time, same target, same process)
+and, for batch sizes > 1, the same over batches of prompts. Greedy speculative output must equal
+plain output (check_lossless). Step costs for `plan` (target forward over 1..64 tokens, drafter
+step; costs.py) go into the manifest. Each prompt's result is appended to eval/partial.jsonl, so a
+killed evaluation resumes after the last finished prompt.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                         finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
+                         stage_dir, write_manifest)
+from ..config import Recipe
+from ..data.readers import load_prompts
+from ..draft.io import load_drafter, read_drafter_config
+from ..target.model import eos_token_ids, load_target
+from .costs import decode_roofline, measure_step_costs, overheads
+from .measure import DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, run_method, run_plain, seeded_generator
+from .report import fmt, plot_acceptance, print_table, render_report, summarize, table_rows
+
+PARTIAL = "partial.jsonl"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def load_models(recipe: Recipe, drafter_dir: Path):
+    """The target (with the drafter's aux layers hooked) and the drafter, on one device and dtype."""
+    cfg_path = drafter_dir / "config.json"
+    dcfg = read_drafter_config(cfg_path)
+    t = recipe.target
+    aux = dcfg.aux_layer_ids or t.aux_layer_ids
+    if t.aux_layer_ids and dcfg.aux_layer_ids and list(t.aux_layer_ids) != list(dcfg.aux_layer_ids):
+        raise DraftsmithError(f"{cfg_path}: drafter was trained on aux layers {dcfg.aux_layer_ids} but "
+                              f"target.aux_layer_ids is {t.aux_layer_ids}; use the drafter's ids or retrain")
+    target = load_target(t.path, device=t.device, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
+                         aux_layer_ids=aux,
+                         experts_implementation=t.experts_implementation)
+    want = {"vocab_size": target.vocab_size, "target_hidden_size": target.hidden_size,
+            "num_aux_layers": len(target.aux_layer_ids)}
+    bad = {k: (getattr(dcfg, k), v) for k, v in want.items() if getattr(dcfg, k) != v}
+    if bad:
+        what = ", ".join(f"{k} {a} != target's {b}" for k, (a, b) in bad.items())
+        raise DraftsmithError(f"{cfg_path}: drafter does not fit target {t.path} ({what}); retrain it for this target")
+    drafter = load_drafter(drafter_dir, device=target.device, dtype=target.dtype)
+    return target, drafter
+
+
+def render_prompt(tokenizer, text: str | list[dict], where: str) -> list[int]:
+    """A user turn (or a whole conversation ending with a user turn) -> chat-template token ids,
+    ending with the assistant header."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DraftsmithError(f"{where}: the target tokenizer has no chat template; add `chat_template` to its "
+                              "tokenizer_config.json (or a chat_template.jinja next to it)")
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:
+        raise DraftsmithError(f"{where}: chat template failed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                              "fix the prompt or the template") from None
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def answer_text(tokenizer, new_tokens: list[int], eos_ids: list[int]) -> str:
+    """The target's answer as text for the next turn (EOS dropped)."""
+    return tokenizer.decode([t for t in new_tokens if t not in eos_ids], skip_special_tokens=True).strip()
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
+    cfg = recipe.evaluate
+    run_dir = Path(run_dir)
+    out_dir = stage_dir(run_dir, "evaluate")
+    drafter_dir = stage_dir(run_dir, "train") / "drafter"
+    train = require_complete(stage_dir(run_dir, "train"), "train")
+    methods = check_methods(cfg, str(run_dir / "recipe.yaml"))
+
+    old = load_manifest(out_dir)
+    resuming = old is not None and old.get("status") == "running" and old.get("fingerprint") == fp
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / PARTIAL
+    if not resuming:
+        partial.unlink(missing_ok=True)
+    done = {rec["key"]: rec for rec in read_jsonl(partial) if "key" in rec}
+
+    target, drafter = load_models(recipe, drafter_dir)
+    runners = DecodeRunners(target, drafter, cfg.fast)
+    rounds = ("; greedy EAGLE-3 rounds on the device" if cfg.resident and cfg.temperature <= 0 and runners.mode != "off"
+              else "")
+    log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
+    eos = eos_token_ids(target)
+    todo = []  # (key, bench, prompt, turn index)
+    for bench in cfg.benchmarks:
+        for i, p in enumerate(load_prompts(bench, cfg.max_prompts)):
+            todo.append((f"{bench}#{i}", bench, p))
+
+    manifest = new_manifest("evaluate", fp, cfg, {"train": train["fingerprint"],
+                                                  "drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
+    if resuming:
+        manifest["started_at"] = old.get("started_at", manifest["started_at"])
+    write_manifest(out_dir, manifest)
+    if done:
+        log(f"[evaluate] resuming: {len(done)} measurements already done")
+
+    warmed: set[int] = set()
+
+    def warm_up(prompts: list[list[int]]) -> None:
+        """First calls at a batch size pay for allocation, kernel selection and graph capture."""
+        if len(prompts) in warmed:
+            return
+        n = min(8, cfg.max_new_tokens)
+        run_plain(target, prompts, cfg, eos, runners=runners, max_new_tokens=n)
+        for m in methods:
+            run_method(target, drafter, m, prompts, cfg, eos, seeded_generator(target, cfg, -1), n, runners=runners)
+        warmed.add(len(prompts))
+    records, rendered = [], []  # rendered: (prompt ids, batch-1 plain output) of every turn, for batches
+    for n, (key, bench, p) in enumerate(todo, 1):
+        history: list[dict] = []
+        for turn, text in enumerate(p.turns[:max(cfg.max_turns, 1)]):
+            where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
+            history.append({"role": "user", "content": text})
+            ids = render_prompt(target.tokenizer, list(history), where)
+            tkey = key if turn == 0 else f"{key}/turn{turn + 1}"
+            rec = done.get(tkey)
+            if rec is None:
+                warm_up([ids])
+                rec = {"key": tkey, "benchmark": bench, "id": p.id, "category": p.category, "turn": turn + 1,
+                       **evaluate_prompt(target, drafter, ids, cfg, methods, eos, len(records), where, runners=runners)}
+                append_jsonl(partial, rec)
+                log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
+                    f"{m} tau {fmt(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
+                    f"{fmt(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
+            records.append(rec)
+            rendered.append((ids, rec["plain_tokens"]))
+            history.append({"role": "assistant", "content": answer_text(target.tokenizer, rec["plain_tokens"], eos)})
+
+    batch_records = []
+    for B in sorted({b for b in cfg.batch_sizes if b > 1}):
+        for j in range(0, len(rendered) - B + 1, B):  # full batches only
+            bkey = f"batch{B}#{j // B}"
+            rec = done.get(bkey)
+            if rec is None:
+                chunk = rendered[j:j + B]
+                warm_up([c[0] for c in chunk])
+                rec = {"key": bkey, **evaluate_batch(target, drafter, [c[0] for c in chunk], [c[1] for c in chunk],
+                                                     cfg, methods, eos, j, runners=runners)}
+                append_jsonl(partial, rec)
+                log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
+                    f"{m} speedup {fmt(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
+            batch_records.append(rec)
+
+    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], runners=runners) \
+        if cfg.step_costs and rendered else None
+    summary = summarize(records, batch_records, cfg, methods)
+    if step_costs:
+        step_costs.update(overheads(summary, step_costs, cfg))
+    summary["path"] = runners.mode
+    summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
+    atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,
+                                                 "prompts": records, "batches": batch_records})
+    atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
+    atomic_write_bytes(out_dir / "acceptance.png", plot_acceptance(summary))
+    print_table(table_rows(summary))
+
+    # The headline figures: EAGLE-3 chain (the planner's per-position profile is a chain's).
+    main = next((m for m in ("eagle3_chain", "eagle3_tree", "ngram") if m in methods), None)
+    o = summary["methods"][main]["overall"] if main else {}
+    manifest["counts"] = {"prompts": len(records), "plain_new_tokens": summary["plain"]["new_tokens"],
+                          "batches": len(batch_records),
+                          "near_tie_divergences": sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
+                                                      for s in summary["methods"].values())}
+    manifest["metrics"] = {
+        "method": main, "tau": o.get("tau"),
+        "tau_per_benchmark": {b: s["tau"] for b, s in summary["methods"][main]["per_benchmark"].items()} if main else {},
+        "accept_rate_per_position": summary["methods"][main]["per_position"]["accept_rate"] if main else [],
+        "accept_rate_per_position_unconditional":
+            summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
+        "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
+        "speedup": o.get("speedup"), "num_prompts": len(records), "draft_steps": cfg.draft_steps,
+        "path": runners.mode,
+        "plain_decode_bw_fraction": (summary["roofline"] or {}).get("fraction_of_measured_bw"),
+        "plain_decode_bw_fraction_nominal": (summary["roofline"] or {}).get("fraction_of_nominal_bw"),
+        "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
+                        "tokens_per_s": s["overall"]["tokens_per_s_spec"]} for m, s in summary["methods"].items()},
+        "batches": {B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()}}
+    if step_costs:
+        manifest["step_costs"] = step_costs
+    manifest["timings"] = {"plain_s": summary["plain"]["plain_s"],
+                           **{f"{m}_s": s["overall"]["spec_s"] for m, s in summary["methods"].items()}}
+    manifest["files"] = ["results.json", "report.md", "acceptance.png"]
+    return finish_manifest(out_dir, manifest)

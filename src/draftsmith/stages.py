@@ -1,0 +1,46 @@
+"""The stage table: each stage's name, the function that runs it, the config sections its
+fingerprint covers and the stages whose output it reads. The pipeline runs it in this order; the
+CLI lists it. A stage takes its inputs from the run directory (artifacts.py), never from here.
+
+    prepare ─▶ regenerate (optional) ─▶ capture ─┐
+                                      └▶ vocab ───┴▶ train ─▶ evaluate
+                                                         └──▶ export
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import export, vocab
+from .config import Recipe
+from .data import prepare, regenerate
+from .evaluate import stage as evaluate
+from .target import capture
+from .train import loop as train
+
+
+@dataclass(frozen=True)
+class Stage:
+    run: Callable[[Recipe, Path, str], dict]
+    """`run(recipe, run_dir, fingerprint) -> manifest`: idempotent, resumes what it listed."""
+    help: str
+    sections: tuple[str, ...]
+    """Recipe sections its fingerprint covers."""
+    upstream: tuple[str, ...]
+    """Stages whose output it reads (their fingerprints enter its own)."""
+
+
+STAGE_TABLE: dict[str, Stage] = {
+    "prepare": Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), ()),
+    "regenerate": Stage(regenerate.run, "optional: the target rewrites the assistant turns (regenerate.enabled)",
+                        ("regenerate",), ("prepare",)),
+    "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate")),
+    "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
+    "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
+                   ("capture", "vocab")),
+    "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
+                      ("train",)),
+    "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),
+}
+"""In run order; its names are config.STAGES (what status reads without importing the stages)."""
