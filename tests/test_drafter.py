@@ -14,14 +14,24 @@ from draftsmith.testing import tiny_config
 H, V, VD = 32, 50, 20
 
 
-def make_drafter(seed=0):
+FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+ALL_FLAGS = {f: True for f in FLAGS}
+
+
+def make_drafter(seed=0, **flags):
     cfg = Eagle3Config(hidden_size=H, target_hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=48, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3], target_num_layers=6)
+                       intermediate_size=48, vocab_size=V, draft_vocab_size=VD, aux_layer_ids=[1, 2, 3], target_num_layers=6,
+                       **flags)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(V, generator=g)[:VD].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
-    return init_drafter(cfg, torch.randn(V, H, generator=g), ids - torch.arange(VD), t2d, seed).eval()
+    m = init_drafter(cfg, torch.randn(V, H, generator=g), ids - torch.arange(VD), t2d, seed).eval()
+    with torch.no_grad():  # norms away from 1, so that a norm applied in the wrong place shows
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return m
 
 
 def inputs(B=2, T=9, seed=1):
@@ -44,8 +54,9 @@ def test_shapes_and_vocab_mapping():
 
 
 @torch.no_grad()
-def test_cached_inference_equals_full_forward():
-    m = make_drafter()
+@pytest.mark.parametrize("flags", [{}, ALL_FLAGS], ids=["plain", "all_norms"])
+def test_cached_inference_equals_full_forward(flags):
+    m = make_drafter(**flags)
     ids, aux, pos = inputs()
     h = m.project(aux)
     full = m(ids, h, pos)
@@ -60,8 +71,9 @@ def test_cached_inference_equals_full_forward():
 
 
 @torch.no_grad()
-def test_ttt_steps_match_inference_with_masks():
-    m = make_drafter()
+@pytest.mark.parametrize("flags", [{}, ALL_FLAGS], ids=["plain", "all_norms"])
+def test_ttt_steps_match_inference_with_masks(flags):
+    m = make_drafter(**flags)
     ids, aux, pos = inputs(B=1)
     L = ids.shape[1]
     h0 = m.project(aux)
@@ -77,8 +89,40 @@ def test_ttt_steps_match_inference_with_masks():
     torch.testing.assert_close(g1, m(ids1, g0, pos + 1, cache, attn_mask=mask), rtol=1e-5, atol=1e-5)
 
 
-def test_save_load_roundtrip(tmp_path):
-    m = make_drafter()
+def _rms(x, w, eps=1e-6):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("flag", [None, *FLAGS])
+def test_architecture_flags_follow_their_formulas(flag):
+    """One drafter step written out by hand for each flag (DESIGN.md §4 and the flags' meaning in
+    speculators): the flag changes exactly the piece it names, and nothing else."""
+    flags = {flag: True} if flag else {}
+    m = make_drafter(**flags)
+    ids, aux, pos = inputs(B=1)
+    layer, attn = m.midlayer, m.midlayer.self_attn
+    x = _rms(aux, m.input_norm.weight) if flag == "norm_before_fc" else aux
+    h = x @ m.fc.weight.T
+    torch.testing.assert_close(m.project(aux), h)
+    hn = _rms(h, layer.hidden_norm.weight)
+    q_in = torch.cat([_rms(m.embed_tokens(ids), layer.input_layernorm.weight), hn], -1)
+    q, k, v = attn.qkv(q_in, pos)
+    o = attn.out(torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                                  is_causal=True))
+    r = (hn if flag == "norm_before_residual" else h) + o
+    y = _rms(r, layer.post_attention_layernorm.weight)
+    g = r + layer.mlp["down_proj"](torch.nn.functional.silu(layer.mlp["gate_proj"](y)) * layer.mlp["up_proj"](y))
+    out = m(ids, h, pos)
+    want_next = _rms(g, m.norm.weight) if flag == "norm_output" else g
+    torch.testing.assert_close(out, want_next, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.logits(out), _rms(g, m.norm.weight) @ m.lm_head.weight.T, rtol=1e-5, atol=1e-5)
+    assert hasattr(m, "input_norm") == (flag == "norm_before_fc")
+
+
+@pytest.mark.parametrize("flags", [{}, ALL_FLAGS], ids=["plain", "all_norms"])
+def test_save_load_roundtrip(tmp_path, flags):
+    m = make_drafter(**flags)
     save_drafter(m, tmp_path / "d")
     m2 = load_drafter(tmp_path / "d")
     assert m2.cfg == m.cfg

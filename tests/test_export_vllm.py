@@ -44,9 +44,11 @@ def test_keys_and_config(tiny_drafter, tmp_path):
     files = export_vllm(root / "drafter", model_dir, tmp_path / "vllm", verifier="org/tiny-llama", num_speculative_tokens=5)
     assert [f["file"] for f in files] == ["config.json", "model.safetensors"]
     state = load_file(str(tmp_path / "vllm" / "model.safetensors"))
-    want = {k.replace("midlayer.", "layers.0."): s for k, s in required_shapes(drafter.cfg).items()}
+    want = {k.replace("midlayer.", "layers.0."): s for k, s in required_shapes(drafter.cfg, with_embeddings=True).items()}
     assert {k: tuple(v.shape) for k, v in state.items()} == want
-    assert not any(k.startswith("midlayer.") for k in state) and "embed_tokens.weight" not in state
+    assert not any(k.startswith("midlayer.") for k in state)
+    # shipped by default: speculators' loader would not fill it from the verifier (test_interop)
+    assert torch.equal(state["embed_tokens.weight"], drafter.embed_tokens.weight.bfloat16())
     assert state["fc.weight"].dtype == torch.bfloat16 and state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
     assert torch.equal(state["layers.0.self_attn.q_proj.weight"], drafter.midlayer.self_attn.q_proj.weight.bfloat16())
 
@@ -60,6 +62,7 @@ def test_keys_and_config(tiny_drafter, tmp_path):
     assert sc["verifier"] == {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]}
     assert c["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # internal [1, 3, 4]: vLLM reads layer inputs
     assert c["norm_before_residual"] is False  # vLLM's adapter would default a missing key to true
+    assert (c["norm_before_fc"], c["norm_output"], c["fc_norm"]) == (False, False, False)
     assert (c["draft_vocab_size"], c["target_hidden_size"]) == (100, t["hidden_size"])
     layer = c["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == t["vocab_size"]

@@ -56,17 +56,54 @@ def ttt_logits_speculators(model, aux, ids, pos, steps):
     return logits
 
 
-@pytest.mark.parametrize("rope", ["default", "llama3"])
-def test_speculators_loads_our_export_and_matches_forward(tiny_drafter, tmp_path, rope):
+FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+
+def with_flags(drafter, folder, **flags):
+    """The drafter rebuilt with architecture flags (draft.*) and its norms moved away from 1 (a
+    norm applied in the wrong place then changes the logits), saved to `folder`."""
+    from dataclasses import replace
+
+    from draftsmith.draft.io import save_drafter
+    from draftsmith.draft.model import Eagle3Drafter
+
+    d = Eagle3Drafter(replace(drafter.cfg, **flags))
+    d.load_state_dict(drafter.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    save_drafter(d.eval(), folder)
+    return d.eval()
+
+
+def random_inputs(drafter, T=9, offset=0):
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, T, 3 * drafter.cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, drafter.cfg.vocab_size, (1, T), generator=g)
+    return aux, ids, torch.arange(T)[None] + offset
+
+
+@pytest.mark.parametrize("rope,flags", [("default", {}), ("llama3", {}), ("default", {f: True for f in FLAGS})],
+                         ids=["default", "llama3", "all_norms"])
+def test_speculators_loads_our_export_and_matches_forward(tiny_drafter, tmp_path, rope, flags):
+    """The default vLLM export (no with_embeddings given), loaded by speculators' own loader, gives
+    our drafter's logits at every TTT step: the embedding travels in the folder (its loader
+    would keep a random one), and the architecture flags mean the same on both sides."""
     root, model_dir, _, drafter = tiny_drafter
     if rope == "llama3":
         root, model_dir, _, drafter = make_tiny_drafter(tmp_path, rope_parameters=LLAMA3)
         assert drafter.cfg.rope_scaling["rope_type"] == "llama3"
-    export_vllm(root / "drafter", model_dir, tmp_path / "vllm", dtype="float32", with_embeddings=True)
+    src = root / "drafter"
+    if flags:
+        src = tmp_path / "flagged"
+        drafter = with_flags(drafter, src, **flags)
+    export_vllm(src, model_dir, tmp_path / "vllm", dtype="float32")
     theirs = load_with_speculators(tmp_path / "vllm")
     assert type(theirs).__name__ == "Eagle3DraftModel"
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]  # internal [1, 3, 4] + 1
-    assert theirs.config.norm_before_residual is False
+    assert {f: getattr(theirs.config, f) for f in FLAGS} == {f: bool(flags.get(f)) for f in FLAGS}
     ours = {k.replace("midlayer.", "layers.0."): v for k, v in drafter.state_dict().items()}
     sd = theirs.state_dict()
     for k, v in ours.items():
@@ -81,16 +118,69 @@ def test_speculators_loads_our_export_and_matches_forward(tiny_drafter, tmp_path
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
 
 
+def test_import_speculators_default_drafter_matches_its_forward(tiny_drafter, tmp_path):
+    """A drafter built by speculators' own training constructor with its default EAGLE-3 flags
+    (norm_before_fc, norm_before_residual, norm_output on; its save_pretrained writer) imports
+    with `draftsmith import-drafter`, and our forward gives its logits at every TTT step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_peer import PEER_DEFAULTS, peer_layer_config
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from draftsmith.cli import main
+
+    root, model_dir, _, drafter = tiny_drafter
+    torch.manual_seed(0)
+    theirs = Eagle3DraftModel.from_training_args(
+        verifier_config=peer_layer_config(str(model_dir), PEER_DEFAULTS["sliding_window"]), t2d=drafter.t2d, d2t=drafter.d2t,
+        draft_vocab_size=drafter.cfg.draft_vocab_size, ttt_steps=3, verifier_name_or_path=str(model_dir),
+        target_layer_ids=[2, 4, 5], draft_attn_impl="eager", embed_requires_grad=False,
+        **{f: PEER_DEFAULTS[f] for f in (*FLAGS, "fc_norm")})
+    with torch.no_grad():  # a trained-looking drafter: its init leaves lm_head = the target's rows, norms = 1
+        g = torch.Generator().manual_seed(1)
+        for name, p in theirs.named_parameters():
+            if not name.startswith(("embed_tokens", "verifier_", "lm_head")):
+                p.copy_((1 if name.endswith("norm.weight") else 0) + 0.2 * torch.randn(p.shape, generator=g))
+    theirs.eval().save_pretrained(str(tmp_path / "theirs"))
+    assert main(["import-drafter", str(tmp_path / "theirs"), "--target", str(model_dir), "--out", str(tmp_path / "ours")]) == 0
+    ours = load_drafter(tmp_path / "ours")
+    assert (ours.cfg.norm_before_fc, ours.cfg.norm_before_residual, ours.cfg.norm_output) == (True, True, True)
+    aux, ids, pos = random_inputs(ours)
+    for a, b in zip(ttt_logits_speculators(theirs, aux, ids, pos, 3), ttt_logits_ours(ours, aux, ids, pos, 3), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
+
+
+def test_sglang_export_refuses_what_sglang_cannot_run(tiny_drafter, tmp_path):
+    """SGLang's LlamaForCausalLMEagle3 has no norm before fc and no normed residual (and skips
+    unknown weights silently): such a drafter is refused, nothing written; norm_output (EAGLE-3.1)
+    goes into the config."""
+    root, model_dir, _, drafter = tiny_drafter
+    for flag in ("norm_before_fc", "norm_before_residual"):
+        with_flags(drafter, tmp_path / flag, **{flag: True})
+        with pytest.raises(DraftsmithError, match=f"{flag} true, which SGLang's LlamaForCausalLMEagle3 does not implement"):
+            export_sglang(tmp_path / flag, model_dir, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+    with_flags(drafter, tmp_path / "no", norm_output=True)
+    export_sglang(tmp_path / "no", model_dir, tmp_path / "out", dtype="float32")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["norm_output"] is True
+    assert import_drafter(tmp_path / "out", model_dir, tmp_path / "back")["flags"]["norm_output"] is True
+
+
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 def test_roundtrip_is_bit_identical(tiny_drafter, tmp_path, fmt):
-    """export -> import -> export gives the same files byte for byte (bf16, no embeddings)."""
+    """export -> import -> export gives the same files byte for byte (bf16, each format's default
+    for the embedding: SGLang leaves it out, the vLLM format ships it)."""
     root, model_dir, _, drafter = tiny_drafter
     export = export_sglang if fmt == "sglang" else export_vllm
     first = export(root / "drafter", model_dir, tmp_path / "a", dtype="bfloat16")
     info = import_drafter(tmp_path / "a", model_dir, tmp_path / "imported")
-    assert (info["format"], info["dtype"], info["with_embeddings"], info["aux_layer_ids"]) == (fmt, "bfloat16", False, [1, 3, 4])
+    assert (info["format"], info["dtype"], info["with_embeddings"], info["aux_layer_ids"]) == (fmt, "bfloat16", fmt == "vllm", [1, 3, 4])
     back = load_drafter(tmp_path / "imported")
-    assert torch.equal(back.embed_tokens.weight, drafter.embed_tokens.weight)  # taken from the target
+    # SGLang: taken from the target; vLLM format: the shipped table (bf16 here)
+    want = drafter.embed_tokens.weight if fmt == "sglang" else drafter.embed_tokens.weight.bfloat16().float()
+    assert torch.equal(back.embed_tokens.weight, want)
     assert back.cfg.target_num_layers == 8
     second = export(tmp_path / "imported", model_dir, tmp_path / "b", dtype=info["dtype"])
     assert first == second  # names, sha256 and sizes of config.json and model.safetensors
@@ -137,7 +227,7 @@ def test_import_refusals(tiny_drafter, tmp_path):
     export_vllm(root / "drafter", model_dir, tmp_path / "v", dtype="float32")
     cfg_path = tmp_path / "v" / "config.json"
     c = json.loads(cfg_path.read_text())
-    for change, match in (({"norm_before_residual": True}, "norm_before_residual true"),
+    for change, match in (({"fc_norm": True}, "fc_norm true"),
                           ({"norm_before_residual": None}, "norm_before_residual is missing"),
                           ({"eagle_aux_hidden_state_layer_ids": [0, 4, 5]}, "layer 0"),
                           ({"speculators_model_type": "mtp"}, "not an EAGLE-3")):

@@ -143,6 +143,43 @@ def test_exact_resume_after_crash(tmp_path, target_dir, monkeypatch):
     assert {k: ma[k] for k in ("loss", "acc_per_position", "tau_simulated")} == {k: mb[k] for k in ("loss", "acc_per_position", "tau_simulated")}
 
 
+def test_lr_schedules():
+    cos = [loop.lr_at(s, 10, 1.0, 2, 0.1) for s in range(1, 11)]
+    lin = [loop.lr_at(s, 10, 1.0, 2, 0.0, "linear") for s in range(1, 11)]
+    assert cos[:2] == lin[:2] == [0.5, 1.0] and cos[-1] == pytest.approx(0.1) and lin[-1] == pytest.approx(0.0)
+    assert lin[5] == pytest.approx(1 - 4 / 8) and cos[5] > lin[5]
+
+
+def test_muon_with_a_frozen_target_head_trains_and_resumes(tmp_path, target_dir, monkeypatch):
+    """speculators' recipe in our trainer: Muon on the matrices, AdamW on the rest, the target's
+    lm_head rows frozen, the architecture flags on; both optimizers' states resume exactly."""
+    from draftsmith.config import DraftConfig
+
+    samples = toy_samples(target_dir)
+    kw = dict(max_steps=9, batch_tokens=64, optimizer="muon", lr=1e-2, head_init="target", train_head=False,
+              ttt_decay=1.0, lr_schedule="linear", min_lr_ratio=0.0)
+    flags = DraftConfig(norm_before_fc=True, norm_before_residual=True, norm_output=True)
+    runs = []
+    for name in ("a", "b"):
+        recipe, run_dir = make_run(tmp_path / name, target_dir, samples, **kw)
+        recipe.draft = flags
+        runs.append((recipe, run_dir))
+    loop.run(*runs[0], "fp-train")
+    with killed_at_step(monkeypatch, 5), pytest.raises(KeyboardInterrupt):
+        loop.run(*runs[1], "fp-train")
+    loop.run(*runs[1], "fp-train")
+    assert losses(runs[1][1]) == losses(runs[0][1])
+    ls = losses(runs[0][1])
+    assert sum(ls[-3:]) < sum(ls[:3]), ls
+    d = load_drafter(runs[0][1] / "train" / "drafter")
+    _, lm_head, _ = read_target_embeddings(target_dir)
+    assert torch.equal(d.lm_head.weight, lm_head[d.draft_to_target(torch.arange(64))])  # never trained
+    assert d.cfg.norm_before_fc and d.cfg.norm_output and d.cfg.norm_before_residual
+    ckpt = {k for f in (runs[0][1] / "train" / "step-000009" / "state").glob("*.safetensors") for k in load_file(str(f))}
+    assert "optim.fc.weight.momentum_buffer" in ckpt and "optim.norm.weight.exp_avg" in ckpt
+    assert "model.lm_head.weight" not in ckpt
+
+
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_golden_first_step_loss(tmp_path, target_dir, layout):
     recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir), max_steps=3, batch_layout=layout)

@@ -145,6 +145,16 @@ class DraftConfig:
     """Width of each head; unset: the target's (MLA targets: their value-head width)."""
     intermediate_size: Optional[int] = None
     """SwiGLU MLP width; unset: the target's dense intermediate_size, else 8/3 x hidden, rounded up."""
+    norm_before_fc: bool = False
+    """RMSNorm over the concatenated aux states before fc (speculators' and vLLM's `norm_before_fc`).
+    vLLM loads it; SGLang's EAGLE-3 Llama has no such norm, so the SGLang export refuses it."""
+    norm_before_residual: bool = False
+    """The decoder layer's residual is hidden_norm(h) instead of h (`norm_before_residual`). vLLM
+    loads it; SGLang's EAGLE-3 Llama has no such option, so the SGLang export refuses it."""
+    norm_output: bool = False
+    """Each draft step after the first reads norm(g), the state the lm_head reads, instead of the
+    raw layer output g (EAGLE-3.1 `norm_output`): the hidden state keeps its scale however deep
+    the drafter runs. Loaded by vLLM and SGLang releases with EAGLE-3.1 support."""
 
 
 @dataclass
@@ -180,10 +190,20 @@ class TrainConfig:
     """Peak learning rate (AdamW), reached after the warmup."""
     weight_decay: float = 0.0
     """AdamW weight decay of the weight matrices (norms get none)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW (betas 0.9/0.95) on every trained tensor. muon: torch.optim.Muon on the 2-D
+    weight matrices of fc, attention and MLP (lr `muon_lr`, RMS matched to AdamW's update, weight
+    decay `muon_weight_decay`), AdamW (lr) on the norms and the lm_head; speculators' default."""
+    muon_lr: Optional[float] = None
+    """Learning rate of the Muon matrices; unset: lr."""
+    muon_weight_decay: float = 0.1
+    """Weight decay of the Muon matrices (train.optimizer muon)."""
     warmup_steps: int = 20
     """Optimizer steps of linear learning-rate warmup."""
+    lr_schedule: Literal["cosine", "linear"] = "cosine"
+    """After warmup: cosine or linear decay to lr * min_lr_ratio at the last step."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio."""
+    """The decay ends at lr * min_lr_ratio."""
     grad_clip: float = 0.5
     """Clip the gradient norm to this; 0: no clipping."""
     save_every: int = 100
@@ -213,6 +233,9 @@ class TrainConfig:
     head_init: Literal["random", "target"] = "random"
     """Initial drafter lm_head: random, or the target's lm_head rows of the draft vocab (the
     drafter then starts by reading its hidden state the way the target reads its own)."""
+    train_head: bool = True
+    """Train the lm_head. false: it keeps its initial value (with head_init target: the target's
+    own head, frozen, as speculators trains)."""
     online: bool = False
     """Run the target forward inside training on prepare's token shards (data/, or regen/)
     instead of reading capture/: the capture stage is skipped and nothing is written for the
@@ -282,8 +305,10 @@ class ExportConfig:
     export's speculators_config.verifier; default target.path."""
     num_speculative_tokens: int = 3
     """Draft tokens per step written into the vLLM export (vLLM's default for the drafter)."""
-    with_embeddings: bool = False
-    """Also write embed_tokens (both runtimes take it from the target when it is absent)."""
+    with_embeddings: Optional[bool] = None
+    """Write embed_tokens (the target's input embedding). Unset: in the vLLM export, not in the
+    SGLang one. SGLang always uses the target's; speculators' own loader does not fill a missing
+    one (it drafts with random rows, no error), so the vLLM (speculators-format) export ships it."""
 
 
 @dataclass

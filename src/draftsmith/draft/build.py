@@ -72,7 +72,9 @@ def drafter_config(target_text_config: Any, draft_cfg: DraftConfig, draft_vocab_
         draft_vocab_size=int(draft_vocab_size), num_aux_layers=len(aux_layer_ids),
         rms_norm_eps=float(getattr(t, "rms_norm_eps", None) or 1e-6), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(getattr(t, "max_position_embeddings", None) or 4096),
-        aux_layer_ids=list(aux_layer_ids), target_num_layers=int(t.num_hidden_layers))
+        aux_layer_ids=list(aux_layer_ids), target_num_layers=int(t.num_hidden_layers),
+        norm_before_fc=bool(draft_cfg.norm_before_fc), norm_before_residual=bool(draft_cfg.norm_before_residual),
+        norm_output=bool(draft_cfg.norm_output))
 
 
 def init_drafter(cfg: Eagle3Config, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,

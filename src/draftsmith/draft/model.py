@@ -6,6 +6,14 @@
     g    = h' + mlp(post_attention_layernorm(h'))        # pre-norm output, fed to the next step
     logits = lm_head(norm(g))                            # over the draft vocab
 
+Three architecture flags (Eagle3Config; all off is the EAGLE-3 reference, SGLang's layout):
+    norm_before_fc         fc(input_norm(cat(aux)))      one RMSNorm over the 3*H_t concatenation
+    norm_before_residual   residual = hidden_norm(h)     instead of the raw h
+    norm_output            the next step reads norm(g)   and logits = lm_head(norm(g)) as before
+speculators trains with all three on by default. `forward` and `ttt_step` return what the next
+step reads (g, or norm(g) under norm_output), and `logits` takes that value, so decoding loops
+never need to know the flags.
+
 Row t of a draft step pairs the hidden state of position t with the token at t+1 and
 predicts the token at t+2; its rotary position is t (shifted by i at TTT step i).
 Names follow SGLang's LlamaForCausalLMEagle3 (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`).
@@ -41,6 +49,9 @@ class Eagle3Config:
     max_position_embeddings: int = 4096
     aux_layer_ids: list[int] = field(default_factory=list)  # internal convention (outputs of layer i)
     target_num_layers: int = 0
+    norm_before_fc: bool = False  # RMSNorm `input_norm` over cat(aux) before fc
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h
+    norm_output: bool = False  # the next step reads norm(g), not g
 
 
 class RMSNorm(nn.Module):
@@ -103,12 +114,16 @@ class Eagle3DecoderLayer(nn.Module):
             gate_proj=nn.Linear(H, cfg.intermediate_size, bias=False),
             up_proj=nn.Linear(H, cfg.intermediate_size, bias=False),
             down_proj=nn.Linear(cfg.intermediate_size, H, bias=False)))
+        self.norm_before_residual = cfg.norm_before_residual
 
-    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [.., 2H], residual [.., H])."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
 
-    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        h = hidden + attn_out
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = residual + attn_out
         x = self.post_attention_layernorm(h)
         m = self.mlp
         return h + m["down_proj"](F.silu(m["gate_proj"](x)) * m["up_proj"](x))
@@ -143,6 +158,8 @@ class Eagle3Drafter(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # copied from the target, frozen
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.num_aux_layers * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -155,10 +172,18 @@ class Eagle3Drafter(nn.Module):
 
     def project(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[.., n_aux * H_t] target aux states -> [.., H] drafter hidden (first step only)."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        x = aux_hidden.to(self.fc.weight.dtype)
+        if self.cfg.norm_before_fc:
+            x = self.input_norm(x)
+        return self.fc(x)
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(g))
+    def output(self, g: torch.Tensor) -> torch.Tensor:
+        """What the next step reads of a layer output g: g, or norm(g) under norm_output."""
+        return self.norm(g) if self.cfg.norm_output else g
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of a step's returned hidden state (`output`: already normed under norm_output)."""
+        return self.lm_head(h if self.cfg.norm_output else self.norm(h))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -172,11 +197,12 @@ class Eagle3Drafter(nn.Module):
         input_ids [B, T] (token t+1 of each row), hidden [B, T, H] (fc(aux) or a previous g),
         position_ids [B, T]. With a cache, the new keys are appended and the rows attend to
         all cached rows plus, causally, each other; `attn_mask` [B or 1, T, S_total] (True =
-        attend) overrides that (tree drafting). Returns g [B, T, H] (pre-norm)."""
+        attend) overrides that (tree drafting). Returns the hidden state the next step reads
+        [B, T, H] (`output`: g pre-norm, or norm(g) under norm_output)."""
         layer = self.midlayer
         attn = layer.self_attn
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = layer.attn_input(emb, hidden)
+        x, residual = layer.attn_input(emb, hidden)
         q, k, v = attn.qkv(x, position_ids)
         past = 0
         if cache is not None:
@@ -188,7 +214,7 @@ class Eagle3Drafter(nn.Module):
         n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
         o = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
                                            attn_mask=attn_mask[:, None])
-        return layer.finish(hidden, attn.out(o))
+        return self.output(layer.finish(residual, attn.out(o)))
 
     # -- training: the same layer unrolled for TTT ----------------------------------------
 
@@ -204,9 +230,9 @@ class Eagle3Drafter(nn.Module):
         layer = self.midlayer
         attn = layer.self_attn
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = layer.attn_input(emb, hidden)
+        x, residual = layer.attn_input(emb, hidden)
         q, k, v = attn.qkv(x, position_ids)
         ttt_cache.append((k, v))
         o = ttt_attention(q, [kv[0] for kv in ttt_cache], [kv[1] for kv in ttt_cache],
                           1.0 / math.sqrt(self.cfg.head_dim), attention, mask)
-        return layer.finish(hidden, attn.out(o))
+        return self.output(layer.finish(residual, attn.out(o)))

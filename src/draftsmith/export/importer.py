@@ -8,8 +8,11 @@ The format is read from config.json: `speculators_model_type` -> speculators, ar
 `LlamaForCausalLMEagle3` -> SGLang. Aux-layer ids are converted to the internal convention
 (export/conventions.py); a checkpoint without ids gets its runtime's default for the target's
 layer count. Only the architecture our drafter has is accepted (one Llama decoder layer, no
-biases, residual = the un-normalised hidden state); anything else is refused by name, never
-dropped. Weights are read from safetensors only. Re-exporting an import with the source's dtype
+biases; the architecture flags norm_before_fc, norm_before_residual and norm_output, which
+speculators turns on by default, are carried into Eagle3Config); anything else (fc_norm, biases,
+more layers) is refused by name, never dropped. A sliding attention window (speculators' default
+draft layer has one of 2,048 tokens) is recorded: draftsmith's drafter attends the whole
+context, the same up to the window's length. Weights are read from safetensors only. Re-exporting an import with the source's dtype
 (and embeddings, if it had them) gives the same tensors bit for bit (tests/test_interop.py).
 """
 from __future__ import annotations
@@ -46,8 +49,18 @@ def detect_format(config: dict, where: str) -> str:
                           f"(architectures {list(SGLANG_ARCHS)}); give the folder of an EAGLE-3 drafter")
 
 
+def _flags(c: dict, where: str, allowed=("norm_before_fc", "norm_before_residual", "norm_output")) -> dict:
+    """The architecture flags of a config: the ones Eagle3Config has, each a bool; any other
+    flag that is on (fc_norm: per-aux norms before fc) is refused."""
+    unsupported = [k for k in ("norm_before_fc", "norm_before_residual", "norm_output", "fc_norm") if c.get(k) and k not in allowed]
+    if unsupported:
+        raise DraftsmithError(f"{where}: {', '.join(unsupported)} true is a drafter variant draftsmith does not implement; "
+                              "this checkpoint cannot be imported")
+    return {k: bool(c.get(k, False)) for k in allowed}
+
+
 def _drafter_config(layer: dict, draft_vocab_size: Optional[int], target_hidden_size: Optional[int],
-                    aux_ids: list[int], num_layers: Optional[int], where: str) -> Eagle3Config:
+                    aux_ids: list[int], num_layers: Optional[int], where: str, flags: dict) -> Eagle3Config:
     bad = [k for k in ("attention_bias", "mlp_bias") if layer.get(k)]
     if int(layer.get("num_hidden_layers", 1)) != 1:
         bad.append(f"num_hidden_layers {layer['num_hidden_layers']}")
@@ -66,7 +79,7 @@ def _drafter_config(layer: dict, draft_vocab_size: Optional[int], target_hidden_
         draft_vocab_size=int(draft_vocab_size or layer["vocab_size"]), num_aux_layers=len(aux_ids),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(layer.get("max_position_embeddings") or 4096), aux_layer_ids=list(aux_ids),
-        target_num_layers=int(num_layers or 0))
+        target_num_layers=int(num_layers or 0), **flags)
 
 
 def read_checkpoint(folder: str | Path, num_layers: Optional[int], aux_layer_ids: Optional[list[int]] = None
@@ -84,19 +97,17 @@ def read_checkpoint(folder: str | Path, num_layers: Optional[int], aux_layer_ids
         if "norm_before_residual" not in c:
             raise DraftsmithError(f"{where}: norm_before_residual is missing (vLLM reads that as true, speculators as false); "
                                   "add it to config.json with the value the drafter was trained with")
-        on = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if c.get(k)]
-        if on:
-            raise DraftsmithError(f"{where}: {', '.join(on)} true is a drafter variant draftsmith does not implement; "
-                                  "this checkpoint cannot be imported")
         ids = c.get("eagle_aux_hidden_state_layer_ids")
         # No list: vLLM's default [2, N//2, N-3] (layer inputs) = SGLang's default, same conversion.
         internal = from_vllm(ids, where) if ids else from_sglang(None, num_layers, where)
         cfg = _drafter_config(c["transformer_layer_config"], c["draft_vocab_size"], c.get("target_hidden_size"),
-                              aux_layer_ids or internal, num_layers, where)
+                              aux_layer_ids or internal, num_layers, where, _flags(c, where))
     else:
         ids = (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         internal = aux_layer_ids or from_sglang(ids, num_layers, where)
-        cfg = _drafter_config(c, c.get("draft_vocab_size"), c.get("target_hidden_size"), internal, num_layers, where)
+        # SGLang's LlamaForCausalLMEagle3 knows norm_output (EAGLE-3.1) only
+        cfg = _drafter_config(c, c.get("draft_vocab_size"), c.get("target_hidden_size"), internal, num_layers, where,
+                              _flags(c, where, allowed=("norm_output",)))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise DraftsmithError(f"{folder}: no *.safetensors weights (pickled .bin files are never loaded); "
@@ -152,6 +163,7 @@ def import_drafter(src: str | Path, target_path: str | Path, out_dir: str | Path
     embed, _, tcfg = read_target_embeddings(target_path, trust_remote_code)
     fmt, cfg, state = read_checkpoint(src, int(tcfg.num_hidden_layers), aux_layer_ids)
     check_target(cfg, tcfg, where)
+    window = sliding_window_of(read_json(src / "config.json"))
     bad = [i for i in cfg.aux_layer_ids if not 0 <= i < int(tcfg.num_hidden_layers)]
     if bad:
         raise DraftsmithError(f"{where}: aux layers {cfg.aux_layer_ids} (internal ids) include {bad}, outside the target's "
@@ -162,7 +174,17 @@ def import_drafter(src: str | Path, target_path: str | Path, out_dir: str | Path
     digest = hashlib.sha256("".join(sha256_file(f) for f in sorted(src.glob("*.safetensors"))).encode()).hexdigest()
     return {"source": str(src), "format": fmt, "dtype": float_dtypes[0] if len(float_dtypes) == 1 else "float32",
             "with_embeddings": "embed_tokens.weight" in state, "aux_layer_ids": cfg.aux_layer_ids,
-            "source_sha256": digest}
+            "flags": {k: getattr(cfg, k) for k in ("norm_before_fc", "norm_before_residual", "norm_output")},
+            "sliding_window": window, "source_sha256": digest}
+
+
+def sliding_window_of(config: dict) -> Optional[int]:
+    """The drafter layer's attention window when its config has one (speculators' default draft
+    layer: `layer_types: [sliding_attention]`, `sliding_window: 2048`), else None."""
+    layer = config.get("transformer_layer_config") or config
+    if "sliding_attention" in (layer.get("layer_types") or []) or layer.get("use_sliding_window"):
+        return int(layer["sliding_window"]) if layer.get("sliding_window") else None
+    return None
 
 
 def import_into_run(src: str | Path, target_path: str | Path, run_dir: str | Path,
@@ -196,10 +218,14 @@ def main(argv: list[str]) -> int:
     else:
         info = import_drafter(args.src, args.target, args.out, ids, args.trust_remote_code)
         dest = Path(args.out)
+    flags = [k for k, v in info["flags"].items() if v]
     log(f"[import] {info['format']} checkpoint {args.src} -> {dest} (aux layers {info['aux_layer_ids']} internal, "
-        f"{info['dtype']}{', with embeddings' if info['with_embeddings'] else ''})")
+        f"{info['dtype']}{', with embeddings' if info['with_embeddings'] else ''}{', ' + ', '.join(flags) if flags else ''})")
+    if info["sliding_window"]:
+        log(f"[import] its attention window of {info['sliding_window']} tokens is not kept: draftsmith's drafter attends "
+            f"the whole context (the same for contexts up to {info['sliding_window']} tokens)")
     if args.run_dir:
         log(f"[import] same tensors again: draftsmith export RECIPE --run_dir {args.run_dir} --target.path {args.target} "
             f"--export.formats '[{info['format']}]' --export.dtype {info['dtype']}"
-            f"{' --export.with_embeddings true' if info['with_embeddings'] else ''}")
+            f" --export.with_embeddings {'true' if info['with_embeddings'] else 'false'}")
     return 0

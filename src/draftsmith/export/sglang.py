@@ -7,6 +7,11 @@ Weights keep our names (they are SGLang's): `midlayer.*`, `fc.weight`, `norm.wei
 the target when the folder has none. SGLang skips unknown keys without a word, so every key and
 shape is checked here before anything is written.
 
+Architecture flags (draft.*): `norm_output` is written as the config key SGLang's EAGLE-3.1
+support reads (`norm_output: true`; SGLang releases before it ignore the key, so serve such a
+drafter with a release that has EAGLE-3.1); `norm_before_fc` and `norm_before_residual` have no
+counterpart in SGLang's LlamaForCausalLMEagle3 and are refused (check_sglang_flags).
+
 Aux layer ids. SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and hands it to the
 target's `set_eagle3_layers_to_capture`, which (llama.py, qwen2/3, deepseek_v2, ...) sets
 `layers_to_capture = [val + 1 for val in layer_ids]`; the model's forward appends
@@ -56,9 +61,24 @@ def required_shapes(cfg: Eagle3Config, with_embeddings: bool = False) -> dict[st
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
     }
+    if cfg.norm_before_fc:  # speculators' / vLLM's name for it
+        shapes["input_norm.weight"] = (cfg.num_aux_layers * cfg.target_hidden_size,)
     if with_embeddings:
         shapes["embed_tokens.weight"] = (cfg.vocab_size, H)
     return shapes
+
+
+ARCH_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+SGLANG_REFUSED = ("norm_before_fc", "norm_before_residual")  # SGLang's LlamaForCausalLMEagle3 has neither
+
+
+def check_sglang_flags(cfg: Eagle3Config, where: str) -> None:
+    """SGLang's EAGLE-3 Llama computes residual = h and fc(cat(aux)) with no norm before it, and
+    skips unknown weights without a word: a drafter trained otherwise would load and draft wrong."""
+    on = [f for f in SGLANG_REFUSED if getattr(cfg, f)]
+    if on:
+        raise DraftsmithError(f"{where}: {' and '.join(on)} true, which SGLang's LlamaForCausalLMEagle3 does not implement "
+                              "(it would load and draft wrong); export to vllm, or train with draft.{" + ",".join(on) + "}: false")
 
 
 def target_text_config(target_path: str | Path, trust_remote_code: bool = False):
@@ -94,12 +114,14 @@ def sglang_config(cfg: Eagle3Config, target_cfg, dtype: str, where: str) -> dict
     """config.json for SGLang. Shapes are the drafter's; rope and max positions are the target's
     and must equal what the drafter was trained with."""
     theta, scaling, max_pos = check_target(cfg, target_cfg, where)
+    check_sglang_flags(cfg, where)
     layer = llama_layer_config(cfg, theta, scaling, max_pos, dtype)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
+        **({"norm_output": True} if cfg.norm_output else {}),  # EAGLE-3.1: the next step reads norm(g)
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": to_sglang(cfg.aux_layer_ids, where),
             "use_aux_hidden_state": True,
@@ -125,9 +147,10 @@ def sglang_state(drafter: Eagle3Drafter, dtype: str, with_embeddings: bool, wher
 
 
 def export_sglang(drafter_dir: str | Path, target_path: str | Path, out_dir: str | Path,
-                  dtype: str = "bfloat16", with_embeddings: bool = False, trust_remote_code: bool = False) -> list[dict]:
+                  dtype: str = "bfloat16", with_embeddings: Optional[bool] = None, trust_remote_code: bool = False) -> list[dict]:
     """Write config.json + model.safetensors for SGLang into out_dir (replaced as a whole).
-    Returns [{file, sha256, bytes}]."""
+    `with_embeddings` None: no embedding (SGLang always takes the target's). Returns [{file, sha256, bytes}]."""
+    with_embeddings = bool(with_embeddings)
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     if dtype not in DTYPES:
         raise DraftsmithError(f"export.dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

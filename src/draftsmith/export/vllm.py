@@ -8,12 +8,18 @@ transformers_utils/configs/speculators): `speculators_model_type: "eagle3"`, `sp
 (algorithm, greedy proposal with `speculative_tokens`, verifier name_or_path + architectures),
 `transformer_layer_config` (a Llama config of the one decoder layer; `vocab_size` = the target's),
 `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` in vLLM's
-convention (internal + 1, export/conventions.py), and `norm_before_residual: false` written
-out: vLLM's speculators adapter defaults a missing key to TRUE, speculators to false; our
-residual is the un-normalised hidden state. Weights: our names with `midlayer.` -> `layers.0.`
-(vLLM's Eagle3LlamaForCausalLM and speculators' Eagle3DraftModel both use `layers.0.*`);
-`embed_tokens` is left out unless asked for: both loaders take it from the verifier then.
-vLLM's Eagle3 Llama builds `fc` for exactly 3 aux layers, so other counts are refused.
+convention (internal + 1, export/conventions.py), and the architecture flags written out, each
+as the drafter was trained (draft.*): `norm_before_residual` (vLLM's speculators adapter
+defaults a missing key to TRUE, speculators to false), `norm_before_fc` (weight `input_norm`),
+`norm_output`, and `fc_norm: false`. vLLM reads norm_before_residual since its first EAGLE-3
+release, norm_before_fc since vllm-project/vllm#38111 (2026-03) and norm_output since #46488
+(2026-06); an older vLLM ignores the last two, so serve a drafter with them on a recent one.
+Weights: our names with `midlayer.` -> `layers.0.` (vLLM's Eagle3LlamaForCausalLM and
+speculators' Eagle3DraftModel both use `layers.0.*`). `embed_tokens` is written by default:
+speculators' own loader (Eagle3DraftModel.from_pretrained) does not fill a missing embedding
+from the verifier (it keeps a random initialisation and drafts wrong without an error); vLLM
+loads it or shares the target's, the same values. vLLM's Eagle3 Llama builds `fc` for exactly 3
+aux layers, so other counts are refused.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from .conventions import to_vllm
 from .sglang import DTYPES, llama_layer_config, sglang_state, target_text_config, write_folder
 
 SPECULATORS_FORMAT = "0.9.0"  # the speculators release whose schema and loader the tests check
-FLAG_FIELDS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")  # all false for our drafter
+FLAG_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output")  # Eagle3Config fields of the same names
 
 
 def to_vllm_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -61,18 +67,21 @@ def vllm_config(cfg: Eagle3Config, target_cfg, dtype: str, verifier: str, verifi
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": to_vllm(cfg.aux_layer_ids),
-        **{k: False for k in FLAG_FIELDS},
+        **{k: bool(getattr(cfg, k)) for k in FLAG_FIELDS},
+        "fc_norm": False,  # per-aux norms before fc: a speculators variant draftsmith does not train
         "embed_requires_grad": False,
         "torch_dtype": dtype,
     }
 
 
 def export_vllm(drafter_dir: str | Path, target_path: str | Path, out_dir: str | Path, dtype: str = "bfloat16",
-                verifier: Optional[str] = None, num_speculative_tokens: int = 3, with_embeddings: bool = False,
+                verifier: Optional[str] = None, num_speculative_tokens: int = 3, with_embeddings: Optional[bool] = None,
                 trust_remote_code: bool = False) -> list[dict]:
     """Write config.json + model.safetensors in the speculators format into out_dir (replaced
     as a whole). `verifier` is the target as vLLM should load it (a hub id or a path on the
-    serving machine); default: target_path. Returns [{file, sha256, bytes}]."""
+    serving machine); default: target_path. `with_embeddings` None: written (module docstring).
+    Returns [{file, sha256, bytes}]."""
+    with_embeddings = True if with_embeddings is None else bool(with_embeddings)
     drafter_dir, target_path = Path(drafter_dir), Path(target_path)
     if dtype not in DTYPES:
         raise DraftsmithError(f"export.dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

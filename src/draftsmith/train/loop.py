@@ -72,13 +72,15 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 
 
-def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate of optimizer step `step` (1-based): linear warmup, then cosine to lr*min_lr_ratio."""
+def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup, then cosine or linear
+    decay to lr*min_lr_ratio at the last step."""
     if warmup_steps > 0 and step <= warmup_steps:
         return lr * step / warmup_steps
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
-    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    shape = 1 - progress if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * shape)
 
 
 def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
@@ -99,6 +101,32 @@ def compile_loss(setting: str, device: torch.device, layout: str, attention: str
     if setting != "auto":
         return setting == "on"
     return device.type == "cuda" and layout == "packed" and resolve_impl(attention, device) == "flex"
+
+
+def build_optimizers(named: list[tuple[str, torch.nn.Parameter]], tc) -> list[torch.optim.Optimizer]:
+    """The optimizers of the trained tensors (train.optimizer). adamw: one AdamW, weight decay on
+    the 2-D weights only. muon: torch.optim.Muon on the 2-D matrices of fc, attention and MLP
+    (its orthogonalised update suits square-ish matrices; the lm_head is a vocabulary read-out
+    and stays with AdamW, as in speculators), AdamW on the rest. Each group keeps its base lr in
+    `base_lr`; the schedule scales it every step."""
+    def adamw(params, decay):
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay, "base_lr": tc.lr},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "base_lr": tc.lr}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=tc.lr, betas=ADAM_BETAS, eps=1e-8)
+
+    if tc.optimizer == "adamw":
+        return [adamw([p for _, p in named], tc.weight_decay)]
+    if tc.optimizer != "muon":
+        raise DraftsmithError(f"train.optimizer {tc.optimizer!r}: choose adamw or muon")
+    is_matrix = [p.dim() == 2 and min(p.shape) > 1 and not n.endswith("lm_head.weight") for n, p in named]
+    matrices = [p for (_, p), m in zip(named, is_matrix) if m]
+    rest = [p for (_, p), m in zip(named, is_matrix) if not m]
+    muon_lr = tc.muon_lr if tc.muon_lr is not None else tc.lr
+    opts = [torch.optim.Muon([{"params": matrices, "base_lr": muon_lr}], lr=muon_lr, weight_decay=tc.muon_weight_decay,
+                             adjust_lr_fn="match_rms_adamw")]
+    if rest:
+        opts.append(adamw(rest, tc.weight_decay))
+    return opts
 
 
 def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
@@ -256,16 +284,14 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
     del embed, lm_head
     # FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit.
+    if not tc.train_head:
+        drafter.lm_head.weight.requires_grad_(False)
     compiled = compile_loss(tc.compile, device, tc.batch_layout, tc.attention)
     model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention, "inductor" if compiled else None), info, compute_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     names = {n: n.removeprefix("drafter.") for n, _ in named}
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
     params = [p for _, p in named]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=tc.lr, betas=ADAM_BETAS, eps=1e-8)
+    opts = build_optimizers(named, tc)
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
     # -- data ------------------------------------------------------------------------------
@@ -328,7 +354,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
     window: deque = deque(maxlen=max(1, tc.log_every))
     if latest is not None:
-        meta = load_checkpoint(latest, model, opt, names)
+        meta = load_checkpoint(latest, model, opts, names)
         if meta.get("fingerprint") != fp:
             raise DraftsmithError(f"{latest / 'meta.json'}: checkpoint of other inputs or config (fingerprint {meta.get('fingerprint')}, "
                                   f"now {fp}); delete {out_dir} to start over")
@@ -418,9 +444,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             weight_total = (weight_total.pin_memory() if pin else weight_total).to(device, non_blocking=True)
             step_tokens = sum(index.lengths[j] for b in micro_ids for j in b)
             step += 1
-            lr = lr_at(step, total_steps, tc.lr, tc.warmup_steps, tc.min_lr_ratio)
-            for group in opt.param_groups:
-                group["lr"] = lr
+            factor = lr_at(step, total_steps, 1.0, tc.warmup_steps, tc.min_lr_ratio, tc.lr_schedule)
+            lr = tc.lr * factor
+            for opt in opts:
+                for group in opt.param_groups:
+                    group["lr"] = group["base_lr"] * factor
 
             sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
             for mi, ids in enumerate(slots):
@@ -440,9 +468,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             stats = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)]).tolist()  # the step's one read from the device
             loss, grad_norm = stats[0], stats[-1]
             ok = math.isfinite(loss) and math.isfinite(grad_norm)
-            if ok:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+            for opt in opts:
+                if ok:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
             if ok:
                 in_a_row = 0
             else:
@@ -512,7 +541,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                         _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"]})
 
             if step % max(1, tc.save_every) == 0 or step == total_steps:
-                folder = save_checkpoint(out_dir, step, model, opt, names, checkpoint_meta(), info)
+                folder = save_checkpoint(out_dir, step, model, opts, names, checkpoint_meta(), info)
                 manifest["checkpoint"] = folder.name
                 if main:
                     write_manifest(out_dir, manifest)

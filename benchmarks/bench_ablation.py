@@ -1,0 +1,309 @@
+"""Training ablation: which training choices make a drafter accept more, at equal data.
+
+Every variant trains on the same capture (one `draftsmith capture`, reused) with the same token
+budget (train.epochs whole passes), TTT depth and draft vocab, and is measured the same way:
+    held-out acceptance   teacher-forced argmax agreement per draft position (0..depth-1) on a
+                          capture of other conversations (never trained on), and the simulated
+                          tau of a chain of `--sim-depth` drafts (train.ttt.simulated_tau)
+    measured tau          our engine, greedy, on MT-Bench (chain and tree), which no drafter saw
+Each variant is a list of recipe flags on top of the base recipe, so the table is reproducible
+with plain `draftsmith` commands (printed with --print-commands):
+    draftsmith train  BASE.yaml --run_dir WORK/NAME-sSEED --seed SEED FLAGS...
+    draftsmith evaluate BASE.yaml --run_dir WORK/NAME-sSEED --seed SEED FLAGS... --evaluate.*
+
+    # once: the data (prepare + capture + vocab) and a held-out capture of other conversations
+    draftsmith prepare runs/lab/base.yaml && draftsmith capture runs/lab/base.yaml && draftsmith vocab runs/lab/base.yaml
+    draftsmith prepare runs/lab/base.yaml --run_dir runs/lab/heldout --prepare.skip_samples 12800 --prepare.max_samples 115
+    draftsmith capture runs/lab/base.yaml --run_dir runs/lab/heldout --prepare.skip_samples 12800 --prepare.max_samples 115
+    # the table (nice it on a shared machine)
+    OMP_NUM_THREADS=1 python benchmarks/bench_ablation.py --recipe runs/lab/base.yaml --base runs/lab/base \
+        --heldout runs/lab/heldout --work runs/lab/ablate --variants baseline,muon --seeds 0,1 --out ablation.json
+    python benchmarks/bench_ablation.py --smoke          # a 2-variant run on a tiny synthetic target (the CPU test)
+
+JSON: {"variants": {NAME: {"flags", "runs": [{seed, heldout_acc, tau_sim, tau_chain, tau_tree,
+train_s, steps, tokens}], "mean": {...}}}, "ngram_tau": ...}. A variant's run folder is kept, so a
+rerun skips the stages that are complete (pipeline fingerprints).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith import pipeline
+from draftsmith.artifacts import atomic_write_json, read_json, stage_dir
+from draftsmith.config import parse_recipe
+
+# name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is.
+VARIANTS: dict[str, list[str]] = {
+    "baseline": [],
+    # optimizer and learning rate
+    "lr1e-3": ["--train.lr", "1e-3"],
+    "lr3e-3": ["--train.lr", "3e-3"],
+    "lr1e-2": ["--train.lr", "1e-2"],
+    "muon": ["--train.optimizer", "muon", "--train.lr", "1e-3"],
+    # the head: the target's own rows, trained or frozen
+    "head_target": ["--train.head_init", "target"],
+    "head_frozen": ["--train.head_init", "target", "--train.train_head", "false"],
+    # loss weighting over TTT positions
+    "decay1": ["--train.ttt_decay", "1.0"],
+    # schedule: speculators' linear decay to 0
+    "linear": ["--train.lr_schedule", "linear", "--train.min_lr_ratio", "0.0"],
+    # architecture flags (speculators' defaults turn all three on)
+    "norm_output": ["--draft.norm_output", "true"],
+    "norm_before_residual": ["--draft.norm_before_residual", "true"],
+    "norm_before_fc": ["--draft.norm_before_fc", "true"],
+    "all_norms": ["--draft.norm_output", "true", "--draft.norm_before_residual", "true", "--draft.norm_before_fc", "true"],
+    # combinations of the single changes that won
+    "lr3e-3+head_target+norm_output": ["--train.lr", "3e-3", "--train.head_init", "target", "--draft.norm_output", "true"],
+    # how sensitive the combination is to the lr, and what each remaining single change adds to it
+    "lr1e-3+head_target+norm_output": ["--train.lr", "1e-3", "--train.head_init", "target", "--draft.norm_output", "true"],
+    "lr3e-3+head_target+norm_output+decay1": ["--train.lr", "3e-3", "--train.head_init", "target",
+                                              "--draft.norm_output", "true", "--train.ttt_decay", "1.0"],
+    "lr3e-3+head_target+norm_output+norm_before_residual": ["--train.lr", "3e-3", "--train.head_init", "target",
+                                                             "--draft.norm_output", "true",
+                                                             "--draft.norm_before_residual", "true"],
+    # speculators' whole recipe in our trainer: Muon + AdamW 1e-3, frozen target head, decay 1,
+    # linear schedule to 0 with 1% warmup, clip 1.0, AdamW weight decay 0.01, all three norms
+    "peer_recipe": ["--train.optimizer", "muon", "--train.lr", "1e-3", "--train.head_init", "target",
+                    "--train.train_head", "false", "--train.ttt_decay", "1.0", "--train.lr_schedule", "linear",
+                    "--train.min_lr_ratio", "0.0", "--train.grad_clip", "1.0", "--train.weight_decay", "0.01",
+                    "--draft.norm_output", "true", "--draft.norm_before_residual", "true", "--draft.norm_before_fc", "true"],
+}
+
+
+# ----------------------------------------------------------------------------- held-out figures
+
+
+@torch.no_grad()
+def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int, max_length: int,
+                       batch_tokens: int = 4096) -> dict:
+    """Teacher-forced acceptance per draft position 0..depth-1 on every sample of a capture
+    folder: argmax of the drafter == argmax of the target (restricted to the draft vocab), the
+    training metric, here on conversations the drafter never saw. Returns {acc, weight, loss}."""
+    from draftsmith.artifacts import require_complete, verify_shards
+    from draftsmith.target.model import read_target_embeddings
+    from draftsmith.train.data import CaptureIndex, epoch_plan
+    from draftsmith.train.ttt import ttt_loss
+    from draftsmith.vocab import draft_ids
+
+    m = require_complete(capture_dir, "capture")
+    index = CaptureIndex(verify_shards(capture_dir, m, check_hash=False), max_length, int(m["hidden_size"]),
+                         len(m["aux_layer_ids"]))
+    _, lm_head, _ = read_target_embeddings(target_path)
+    head = lm_head[draft_ids(drafter.d2t)].float()
+    drafter = drafter.float().eval()
+    correct, weight = torch.zeros(depth, dtype=torch.float64), torch.zeros(depth, dtype=torch.float64)
+    for ids in epoch_plan(index.lengths, batch_tokens, seed=0, epoch=0):
+        b = index.batch(ids)
+        out = ttt_loss(drafter, b.input_ids, b.loss_mask, b.aux_hidden.float(), b.final_hidden.float(), head, depth, 1.0)
+        correct += out.correct.double()
+        weight += out.weight.double()
+    acc = (correct / weight.clamp_min(1)).tolist()
+    return {"acc": acc, "weight": weight.tolist(), "samples": len(index)}
+
+
+def simulated_tau(acc: list[float]) -> float:
+    from draftsmith.train.ttt import simulated_tau as tau
+
+    return tau(acc)
+
+
+# ----------------------------------------------------------------------------- one variant
+
+
+def link_stages(base: Path, run_dir: Path, stages=("data", "capture", "vocab")) -> None:
+    """The variant's run folder reads the base run's data, capture and vocab (symlinks)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for s in stages:
+        link = run_dir / s
+        if not link.exists():
+            link.symlink_to((base / s).resolve(), target_is_directory=True)
+
+
+def recipe_for(recipe_path: str, run_dir: Path, seed: int, flags: list[str], extra: list[str] = ()):
+    recipe, _ = parse_recipe([recipe_path, "--run_dir", str(run_dir), "--seed", str(seed), *flags, *extra])
+    return recipe
+
+
+def eval_flags(args, ngram: bool = False) -> list[str]:
+    """MT-Bench (both turns) with our engine, greedy; n-gram prompt lookup once (it does not
+    depend on the drafter)."""
+    methods = "[eagle3_chain,eagle3_tree,ngram]" if ngram else "[eagle3_chain,eagle3_tree]"
+    return ["--evaluate.benchmarks", "[mtbench]", "--evaluate.max_prompts", str(args.eval_prompts),
+            "--evaluate.max_new_tokens", str(args.max_new_tokens), "--evaluate.draft_steps", str(args.draft_steps),
+            "--evaluate.tree_depth", str(args.draft_steps), "--evaluate.methods", methods, "--evaluate.step_costs", "false"]
+
+
+def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[str], ngram: bool = False) -> dict:
+    """The engine's tau (chain, tree; n-gram when asked) on MT-Bench. A complete evaluation of this
+    drafter on the same prompts and settings is reused (one with n-gram as well counts)."""
+    ev = None
+    m_path = stage_dir(run_dir, "evaluate") / "manifest.json"
+    if m_path.exists() and (stage_dir(run_dir, "train") / "manifest.json").exists():
+        old = read_json(m_path)
+        c = old.get("config", {})
+        same = (old.get("status") == "complete" and c.get("max_prompts") == args.eval_prompts
+                and c.get("max_new_tokens") == args.max_new_tokens and c.get("draft_steps") == args.draft_steps
+                and c.get("tree_depth") == args.draft_steps and c.get("benchmarks") == ["mtbench"]
+                and {"eagle3_chain", "eagle3_tree"} <= set(c.get("methods", []))
+                and old.get("inputs", {}).get("train") == read_json(stage_dir(run_dir, "train") / "manifest.json")["fingerprint"])
+        ev = old if same and (not ngram or "ngram" in c.get("methods", [])) else None
+    if ev is None:
+        ev = pipeline.run_stage("evaluate", recipe_for(recipe_path, run_dir, seed, flags, eval_flags(args, ngram)))
+    methods = ev["metrics"]["methods"]
+    out = {"tau_chain": methods["eagle3_chain"]["tau"], "tau_tree": methods["eagle3_tree"]["tau"],
+           "engine_accept_rate": ev["metrics"]["accept_rate_per_position"]}
+    if "ngram" in methods:
+        out["ngram_tau"] = methods["ngram"]["tau"]
+    return out
+
+
+def run_variant(args, name: str, flags: list[str], seed: int, ngram: bool = False) -> dict:
+    run_dir = Path(args.work) / f"{name}-s{seed}"
+    link_stages(Path(args.base), run_dir)
+    recipe = recipe_for(args.recipe, run_dir, seed, flags)
+    t0 = time.time()
+    m = pipeline.run_stage("train", recipe)
+    train_s = time.time() - t0
+    from draftsmith.draft.io import load_drafter
+
+    drafter = load_drafter(run_dir / "train" / "drafter")
+    ho = heldout_acceptance(drafter, stage_dir(Path(args.heldout), "capture"), recipe.target.path, args.depth,
+                            recipe.train.max_length)
+    row = {"seed": seed, "heldout_acc": ho["acc"], "tau_sim": simulated_tau(ho["acc"][:args.sim_depth]),
+           "steps": m["counts"]["steps"], "tokens_per_epoch": m["counts"]["tokens_per_epoch"],
+           "epochs_started": m["counts"]["epochs_started"], "train_loss": m["metrics"]["loss"],
+           "train_s": round(m.get("timings", {}).get("train_s_this_session", train_s), 1)}
+    if not args.no_engine:
+        row.update(engine_taus(args, args.recipe, run_dir, seed, flags, ngram))
+    print(f"[ablation] {name} seed {seed}: held-out acc {' '.join(f'{a:.3f}' for a in ho['acc'])} | "
+          f"tau_sim {row['tau_sim']:.3f}" + (f" | tau chain {row['tau_chain']:.3f} tree {row['tau_tree']:.3f}"
+                                             if "tau_tree" in row else ""), flush=True)
+    return row
+
+
+def mean_row(rows: list[dict]) -> dict:
+    keys = [k for k in ("tau_sim", "tau_chain", "tau_tree", "train_loss") if all(k in r for r in rows)]
+    out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
+    out["heldout_acc"] = [sum(r["heldout_acc"][i] for r in rows) / len(rows) for i in range(len(rows[0]["heldout_acc"]))]
+    return out
+
+
+def markdown(result: dict) -> str:
+    depth = len(next(iter(result["variants"].values()))["mean"]["heldout_acc"])
+    head = ["variant", "seeds"] + [f"acc@{i}" for i in range(depth)] + ["τ sim", "τ chain", "τ tree", "steps"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, v in result["variants"].items():
+        mean = v["mean"]
+        cells = [name, ",".join(str(r["seed"]) for r in v["runs"])] + [f"{a:.3f}" for a in mean["heldout_acc"]]
+        cells += [f"{mean[k]:.3f}" if k in mean else "—" for k in ("tau_sim", "tau_chain", "tau_tree")]
+        cells.append(str(v["runs"][0]["steps"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    if result.get("ngram_tau") is not None:
+        lines.append(f"\nn-gram prompt lookup on the same prompts: τ {result['ngram_tau']:.3f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- smoke
+
+
+def make_smoke(root: Path) -> tuple[str, str, str]:
+    """A tiny synthetic target, a few dozen conversations, prepare/capture/vocab for a base run
+    and a held-out capture: (recipe path, base run, held-out run). CPU, seconds."""
+    from draftsmith.testing import make_model_dir
+
+    target = make_model_dir(root / "target", num_layers=8)  # distinct default aux layers [1, 3, 4]
+    convs = []
+    for i in range(60):
+        turns = [{"from": "human", "value": f"question {i} about topic {i % 7} please"},
+                 {"from": "gpt", "value": " ".join(f"word{(i * j) % 23}" for j in range(12))}]
+        convs.append({"id": str(i), "conversations": turns})
+    (root / "convs.json").write_text(json.dumps(convs))
+    recipe = root / "recipe.yaml"
+    recipe.write_text(f"""run_dir: {root / 'base'}
+seed: 0
+target: {{path: {target}, device: cpu, dtype: float32}}
+prepare: {{source: {root / 'convs.json'}, max_samples: 48, max_length: 64}}
+capture: {{batch_tokens: 2048, storage_dtype: float32}}
+vocab: {{draft_vocab_size: 64}}
+train: {{ttt_steps: 2, epochs: 1, batch_tokens: 256, max_length: 64, warmup_steps: 2, log_every: 5, save_every: 1000, device: cpu, dtype: float32}}
+evaluate: {{max_prompts: 2, max_new_tokens: 8}}
+""")
+    for stage in ("prepare", "capture", "vocab"):
+        r, _ = parse_recipe([str(recipe)])
+        pipeline.run_stage(stage, r)
+    for stage in ("prepare", "capture"):
+        r, _ = parse_recipe([str(recipe), "--run_dir", str(root / "heldout"), "--prepare.skip_samples", "48",
+                             "--prepare.max_samples", "12"])
+        pipeline.run_stage(stage, r)
+    return str(recipe), str(root / "base"), str(root / "heldout")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", help="base recipe YAML (data, target, train budget)")
+    p.add_argument("--base", help="run folder with complete data/, capture/ and vocab/")
+    p.add_argument("--heldout", help="run folder with a complete capture/ of conversations outside the base data")
+    p.add_argument("--work", default="runs/ablate", help="one run folder per variant and seed goes here")
+    p.add_argument("--variants", default="baseline", help=f"comma-separated names of {sorted(VARIANTS)}")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--depth", type=int, default=6, help="held-out draft positions measured (past the trained depth too)")
+    p.add_argument("--sim-depth", type=int, default=5, help="positions in the simulated tau (evaluate.draft_steps)")
+    p.add_argument("--eval-prompts", type=int, default=20, help="MT-Bench questions (x 2 turns)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--draft-steps", type=int, default=5, help="chain length and tree depth of the engine")
+    p.add_argument("--no-engine", action="store_true", help="skip the measured tau (held-out acceptance only)")
+    p.add_argument("--print-commands", action="store_true", help="print the draftsmith commands of each run and exit")
+    p.add_argument("--smoke", action="store_true", help="tiny synthetic target, two variants, no engine (CPU test)")
+    p.add_argument("--out", help="JSON file")
+    args = p.parse_args(argv)
+    if args.smoke:
+        import tempfile
+
+        root = Path(tempfile.mkdtemp(prefix="bench_ablation_"))
+        args.recipe, args.base, args.heldout = make_smoke(root)
+        args.work, args.variants, args.no_engine, args.depth, args.sim_depth = str(root / "ablate"), "baseline,norm_output", True, 3, 3
+    if not (args.recipe and args.base and args.heldout):
+        p.error("--recipe, --base and --heldout are required (or --smoke)")
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.print_commands:
+        for name in names:
+            for seed in seeds:
+                d = Path(args.work) / f"{name}-s{seed}"
+                common = f"{args.recipe} --run_dir {d} --seed {seed} {' '.join(VARIANTS[name])}".rstrip()
+                print(f"# {name}, seed {seed} (data/, capture/, vocab/ linked from {args.base})")
+                print(f"draftsmith train {common}")
+                print(f"draftsmith evaluate {common} {' '.join(eval_flags(args))}")
+        return 0
+    result = {"recipe": args.recipe, "base": args.base, "heldout": args.heldout, "depth": args.depth,
+              "sim_depth": args.sim_depth, "eval_prompts": args.eval_prompts, "variants": {}}
+    out = Path(args.out) if args.out else None
+    if out and out.exists():  # extend an earlier table (a rerun recomputes nothing that is complete)
+        old = read_json(out)
+        result["variants"], result["ngram_tau"] = old.get("variants", {}), old.get("ngram_tau")
+    for name in names:
+        runs = [r for r in result["variants"].get(name, {}).get("runs", []) if r["seed"] not in seeds]
+        for seed in seeds:
+            runs.append(run_variant(args, name, VARIANTS[name], seed, ngram=result.get("ngram_tau") is None))
+            result["ngram_tau"] = result.get("ngram_tau") or runs[-1].get("ngram_tau")
+        runs.sort(key=lambda r: r["seed"])
+        result["variants"][name] = {"flags": VARIANTS[name], "runs": runs, "mean": mean_row(runs)}
+        if out:
+            atomic_write_json(out, result)
+    print(markdown(result))
+    if out:
+        atomic_write_json(out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

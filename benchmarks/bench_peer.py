@@ -1,0 +1,277 @@
+"""The peer at equal data: speculators' trainer on our captured tokens and states, then both
+drafters measured by our engine on the same held-out prompts.
+
+speculators 0.9.0 (vllm-project/speculators) is driven through its own pieces: its
+Eagle3DraftModel (built by `Eagle3DraftModel.from_training_args`, its TTT forward and loss), its
+packing sampler (MultipackDistributedBatchSamplerV2), collate function and `shift_batch`, its
+optimizers (`build_optimizers`: Muon + AdamW), schedulers and `Trainer` loop, with its default
+recipe for EAGLE-3 (PEER_DEFAULTS, from its train/config/schema.py; its CLI cannot be imported
+here: it needs pydantic_settings). What is ours: the data. A Dataset hands its collate function
+the token ids, loss masks, aux hidden states and final hidden states of our capture (the same
+bytes our trainer reads), so both train on identical tensors, the same conversations, the same
+draft vocab (our d2t/t2d), TTT depth and number of epochs. Two shims, both named:
+  * our capture stores the target's final hidden state after its last norm (what its lm_head
+    reads); speculators' data holds it before and applies the target norm itself
+    (`verifier_norm`). The bench sets `verifier_norm` to the identity, so its targets are the
+    target's own logits, exactly as ours.
+  * on a CPU: its Trainer moves the model to `local_rank` (a CUDA index) and synchronises the
+    accelerator for step timing; both are pointed at the CPU. Its loss runs the "eager"
+    implementation (the fused one is a Triton kernel); the tests of speculators check that
+    both give the same values.
+Its checkpoint (save_pretrained, the vLLM format) is imported with `draftsmith import-drafter`,
+then both drafters go through the same measurement as benchmarks/bench_ablation.py: held-out
+teacher-forced acceptance per position on a capture of other conversations, and the measured
+tau of our engine on MT-Bench (chain and tree, greedy).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_peer.py --recipe runs/lab/base.yaml --base runs/lab/base \
+        --heldout runs/lab/heldout --work runs/lab/peer --seeds 0,1 --out benchmarks/results/peer-cpu.json
+    python benchmarks/bench_peer.py --smoke        # tiny synthetic target, no engine (the CPU test)
+
+JSON: ours and theirs per seed (held-out acceptance, simulated tau, measured tau chain/tree),
+means, and peer_tau_ratio = our mean held-out tree tau / theirs (the issue's goal: >= 1.05).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ablation beside this file
+import bench_ablation as ablation  # noqa: E402
+
+from draftsmith import pipeline  # noqa: E402
+from draftsmith.artifacts import atomic_write_json, read_json, require_complete, stage_dir, verify_shards  # noqa: E402
+
+# speculators 0.9.0's defaults for `--speculator-type eagle3` (train/config/schema.py: OptimizerArgs,
+# SchedulerArgs, LossArgs, DraftArgs after _resolve_derived_defaults; train/trainer.py: clip 1.0).
+PEER_DEFAULTS = {
+    "optimizer": "muon", "lr": 1e-3, "muon_lr": 1e-3, "weight_decay": 0.01, "muon_weight_decay": 0.1,
+    "muon_momentum": 0.95, "muon_ns_steps": 5, "muon_adjust_lr_fn": "match_rms_adamw",
+    "scheduler_type": "linear", "scheduler_warmup_steps": None,  # None: 1 % of the steps
+    "loss_fn": "kl_div", "ttt_step_loss_decay": 1.0,
+    "norm_before_residual": True, "norm_before_fc": True, "norm_output": True, "fc_norm": False,
+    "embed_requires_grad": False, "sliding_window": 2048,
+}
+
+
+def peer_layer_config(target_path: str, sliding_window: int):
+    """The draft decoder config speculators' CLI builds for a Llama verifier
+    (train/cli.py create_transformer_layer_config: one llama layer shaped like the verifier,
+    sliding-window attention, the verifier's rope)."""
+    from copy import deepcopy
+
+    from transformers import AutoConfig, LlamaConfig
+
+    v = AutoConfig.from_pretrained(target_path)
+    v = getattr(v, "text_config", v)
+    cfg = LlamaConfig(vocab_size=v.vocab_size, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                      num_hidden_layers=1, num_attention_heads=v.num_attention_heads,
+                      num_key_value_heads=v.num_key_value_heads, hidden_act=v.hidden_act,
+                      max_position_embeddings=v.max_position_embeddings, initializer_range=v.initializer_range,
+                      rms_norm_eps=v.rms_norm_eps, head_dim=getattr(v, "head_dim", None), tie_word_embeddings=False,
+                      sliding_window=sliding_window, use_sliding_window=True, layer_types=["sliding_attention"])
+    if getattr(v, "rope_parameters", None):
+        cfg.rope_parameters = deepcopy(v.rope_parameters)
+    return cfg
+
+
+def capture_dataset(index, sample_ids: list[int], max_len: int, dtype: torch.dtype):
+    """speculators' BaseDataset over samples of our CaptureIndex: the raw sample dict its
+    collate function and shift_batch expect."""
+    from speculators.train.data import BaseDataset
+
+    class CaptureDataset(BaseDataset):
+        def __init__(self):
+            self.ids = list(sample_ids)
+            super().__init__(max_len, dtype)
+
+        def _compute_approx_lengths(self):
+            return [index.lengths[j] for j in self.ids]
+
+        def __len__(self):
+            return len(self.ids)
+
+        def _get_raw_data(self, i):
+            b = index.batch([self.ids[i]])
+            return {"hidden_states": b.aux_hidden[0].to(dtype), "input_ids": b.input_ids[0],
+                    "verifier_last_hidden_states": b.final_hidden[0].to(dtype), "loss_mask": b.loss_mask[0].bool()}
+
+    return CaptureDataset()
+
+
+def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
+    """Train speculators' EAGLE-3 drafter on the base capture; returns its checkpoint folder and counts."""
+    import speculators.train.trainer as trainer_mod
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.dataloader import _setup_dataloader
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    from draftsmith.export.conventions import to_vllm
+    from draftsmith.train.data import CaptureIndex
+    from draftsmith.vocab import VOCAB_FILE, load_vocab
+
+    d = dict(PEER_DEFAULTS)
+    base = Path(args.base)
+    cap_dir = stage_dir(base, "capture")
+    m = require_complete(cap_dir, "capture")
+    index = CaptureIndex(verify_shards(cap_dir, m, check_hash=False), recipe.train.max_length, int(m["hidden_size"]),
+                         len(m["aux_layer_ids"]))
+    d2t, t2d = load_vocab(stage_dir(base, "vocab") / VOCAB_FILE)
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=peer_layer_config(recipe.target.path, d["sliding_window"]), t2d=t2d, d2t=d2t,
+        draft_vocab_size=d2t.numel(), norm_before_residual=d["norm_before_residual"], norm_before_fc=d["norm_before_fc"],
+        fc_norm=d["fc_norm"], norm_output=d["norm_output"], embed_requires_grad=d["embed_requires_grad"],
+        ttt_steps=recipe.train.ttt_steps, verifier_name_or_path=recipe.target.path,
+        target_layer_ids=to_vllm(list(m["aux_layer_ids"])),
+        draft_attn_impl="simple_flex_attention" if cuda else "sdpa")
+    model.verifier_norm = torch.nn.Identity()  # our final states are post-norm already (module docstring)
+    train_kw, val_kw = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=recipe.train.ttt_steps,
+                                                           ttt_step_loss_decay=d["ttt_step_loss_decay"],
+                                                           loss_fn=d["loss_fn"], loss_implementation="fused" if cuda else "eager")
+    ids = list(range(len(index)))
+    total_seq_len = args.total_seq_len or recipe.train.batch_tokens
+    loader = _setup_dataloader(capture_dataset(index, ids, total_seq_len, dtype), total_seq_len, int(m["hidden_size"]),
+                               num_workers=0, num_target_layers=len(m["aux_layer_ids"]), prefetch_factor=None,
+                               preprocess=shift_batch, seed=seed)
+    if not cuda:  # the two CPU shims of the module docstring
+        trainer_mod.get_local_rank = lambda: "cpu"
+        trainer_mod._StepTimer.now = lambda self: None
+        trainer_mod._StepTimer.mark = lambda self, name: None
+        trainer_mod._StepTimer.profile = lambda self, num_tokens: None
+    epochs = recipe.train.epochs
+    if epochs != int(epochs):
+        raise SystemExit(f"bench_peer: train.epochs {epochs}: speculators trains whole epochs only")
+    cfg = TrainerConfig(lr=d["lr"], num_epochs=int(epochs), save_path=str(out_dir), train_call_kwargs=train_kw,
+                        val_call_kwargs=val_kw, optimizer=d["optimizer"], weight_decay=d["weight_decay"],
+                        muon_lr=d["muon_lr"], muon_momentum=d["muon_momentum"], muon_weight_decay=d["muon_weight_decay"],
+                        muon_ns_steps=d["muon_ns_steps"], muon_adjust_lr_fn=d["muon_adjust_lr_fn"],
+                        scheduler_type=d["scheduler_type"], scheduler_warmup_steps=d["scheduler_warmup_steps"],
+                        hidden_states_dtype=dtype, log_freq=10 ** 9, resume_from_checkpoint=False)
+    t0 = time.time()
+    trainer = Trainer(model, cfg, loader, None)
+    trainer.run_training()
+    # Its epoch checkpoints are rounded to bf16 (Checkpointer.save_checkpoint); the drafter it
+    # trained is the float32 model in memory, written here with its own save_pretrained.
+    model.save_pretrained(str(out_dir / "final"))
+    trained = {"checkpoint": str(out_dir / "final"), "steps": trainer.global_step,
+               "steps_per_epoch": len(loader), "total_seq_len": total_seq_len, "train_s": round(time.time() - t0, 1),
+               "tokens_per_epoch": sum(index.lengths), "defaults": d}
+    atomic_write_json(out_dir / TRAINED, trained)  # written last: its presence says the checkpoint is whole
+    return trained
+
+
+TRAINED = "trained.json"
+
+
+def trained_peer(args, recipe, seed: int, out_dir: Path) -> dict:
+    """The peer's checkpoint of an earlier run of this seed when it finished (its trained.json), else
+    a fresh training: a rerun after an interruption goes on to the measurement."""
+    if (out_dir / TRAINED).exists() and (out_dir / "final").is_dir():
+        trained = read_json(out_dir / TRAINED)
+        if trained.get("defaults") == PEER_DEFAULTS:
+            print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} is complete; reused", flush=True)
+            return trained
+    return train_peer(args, recipe, seed, out_dir)
+
+
+def import_peer(checkpoint: str, recipe, run_dir: Path) -> dict:
+    """`draftsmith import-drafter CHECKPOINT --target TARGET --run-dir RUN_DIR` (then evaluate works)."""
+    from draftsmith.cli import main as cli
+
+    rc = cli(["import-drafter", checkpoint, "--target", recipe.target.path, "--run-dir", str(run_dir)])
+    if rc != 0:
+        raise SystemExit(f"bench_peer: import-drafter {checkpoint} failed (exit {rc})")
+    return read_json(run_dir / "train" / "manifest.json")["imported"]
+
+
+def measure(args, run_dir: Path, recipe_flags: list[str], seed: int) -> dict:
+    """Held-out acceptance per position and the engine's tau on MT-Bench, as bench_ablation."""
+    from draftsmith.draft.io import load_drafter
+
+    recipe = ablation.recipe_for(args.recipe, run_dir, seed, recipe_flags)
+    ho = ablation.heldout_acceptance(load_drafter(run_dir / "train" / "drafter"), stage_dir(Path(args.heldout), "capture"),
+                                     recipe.target.path, args.depth, recipe.train.max_length)
+    row = {"seed": seed, "heldout_acc": ho["acc"], "tau_sim": ablation.simulated_tau(ho["acc"][:args.sim_depth])}
+    if not args.no_engine:
+        row.update(ablation.engine_taus(args, args.recipe, run_dir, seed, recipe_flags))
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", help="base recipe YAML (our training recipe: defaults unless flags are given)")
+    p.add_argument("--base", help="run folder with complete data/, capture/ and vocab/")
+    p.add_argument("--heldout", help="run folder with a complete capture/ of other conversations")
+    p.add_argument("--work", default="runs/peer")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--ours", default="", help="extra recipe flags for our drafter (space-separated)")
+    p.add_argument("--ours-name", default="ours",
+                   help="our run folder is WORK/NAME-sSEED (bench_ablation's names reuse its trained variants)")
+    p.add_argument("--total-seq-len", type=int, default=None,
+                   help="speculators' packed tokens per step (default: our train.batch_tokens)")
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--sim-depth", type=int, default=5)
+    p.add_argument("--eval-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--draft-steps", type=int, default=5)
+    p.add_argument("--no-engine", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny synthetic target, one seed, no engine (CPU test)")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if args.smoke:
+        import tempfile
+
+        root = Path(tempfile.mkdtemp(prefix="bench_peer_"))
+        args.recipe, args.base, args.heldout = ablation.make_smoke(root)
+        args.work, args.no_engine, args.depth, args.sim_depth, args.seeds = str(root / "peer"), True, 3, 3, "0"
+    if not (args.recipe and args.base and args.heldout):
+        p.error("--recipe, --base and --heldout are required (or --smoke)")
+    ours_flags = args.ours.split()
+    result = {"recipe": args.recipe, "ours_flags": ours_flags, "depth": args.depth, "sim_depth": args.sim_depth,
+              "eval_prompts": args.eval_prompts, "ours": [], "theirs": []}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        ours_dir = Path(args.work) / f"{args.ours_name}-s{seed}"
+        ablation.link_stages(Path(args.base), ours_dir)
+        recipe = ablation.recipe_for(args.recipe, ours_dir, seed, ours_flags)
+        m = pipeline.run_stage("train", recipe)
+        ours = measure(args, ours_dir, ours_flags, seed)
+        ours.update(steps=m["counts"]["steps"], train_s=m["timings"].get("train_s_this_session"))
+        result["ours"].append(ours)
+
+        theirs_dir = Path(args.work) / f"theirs-s{seed}"
+        ablation.link_stages(Path(args.base), theirs_dir)
+        trained = trained_peer(args, recipe, seed, theirs_dir / "speculators")
+        imported = theirs_dir / "train" / "manifest.json"
+        if imported.exists() and read_json(imported).get("status") == "complete" and \
+                Path(read_json(imported).get("imported", {}).get("source", "")).resolve() == Path(trained["checkpoint"]).resolve():
+            info = read_json(imported)["imported"]
+        else:
+            info = import_peer(trained["checkpoint"], recipe, theirs_dir)
+        theirs = measure(args, theirs_dir, ours_flags, seed)
+        theirs.update({k: v for k, v in trained.items() if k != "defaults"}, imported=info)
+        result["theirs"].append(theirs)
+        result["peer_defaults"] = trained["defaults"]
+        print(f"[peer] seed {seed}: ours acc {' '.join(f'{a:.3f}' for a in ours['heldout_acc'])} tau_sim {ours['tau_sim']:.3f}"
+              f" | theirs acc {' '.join(f'{a:.3f}' for a in theirs['heldout_acc'])} tau_sim {theirs['tau_sim']:.3f}", flush=True)
+    for side in ("ours", "theirs"):
+        result[f"{side}_mean"] = ablation.mean_row(result[side])
+    key = "tau_tree" if not args.no_engine else "tau_sim"
+    result["peer_tau_ratio"] = result["ours_mean"][key] / result["theirs_mean"][key]
+    result["peer_tau_ratio_of"] = key
+    print(f"[peer] ours {key} {result['ours_mean'][key]:.3f}, theirs {result['theirs_mean'][key]:.3f}: "
+          f"peer_tau_ratio {result['peer_tau_ratio']:.3f}")
+    if args.out:
+        atomic_write_json(Path(args.out), result)
+    return 0 if math.isfinite(result["peer_tau_ratio"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/bench_peer.py and bench_ablation.py --smoke: the whole path on a tiny synthetic target
+(CPU, under a minute): our trainer and speculators' trainer on the same capture, its checkpoint
+imported with `draftsmith import-drafter`, both measured on a held-out capture."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{script}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "TMPDIR": str(tmp_path)}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_bench_peer_smoke(tmp_path):
+    r = run_bench("bench_peer.py", tmp_path)
+    ours, theirs = r["ours"][0], r["theirs"][0]
+    assert len(ours["heldout_acc"]) == len(theirs["heldout_acc"]) == 3
+    assert all(0 <= a <= 1 for a in ours["heldout_acc"] + theirs["heldout_acc"])
+    # speculators' defaults travel through its checkpoint into our drafter
+    assert theirs["imported"]["format"] == "vllm"
+    assert theirs["imported"]["flags"] == {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+    assert theirs["imported"]["sliding_window"] == 2048
+    assert theirs["steps"] == theirs["steps_per_epoch"] >= 1  # one epoch, as our smoke recipe
+    assert r["peer_tau_ratio_of"] == "tau_sim" and r["peer_tau_ratio"] == ours["tau_sim"] / theirs["tau_sim"]
+
+
+def test_bench_ablation_smoke(tmp_path):
+    r = run_bench("bench_ablation.py", tmp_path)
+    assert sorted(r["variants"]) == ["baseline", "norm_output"]
+    for v in r["variants"].values():
+        run = v["runs"][0]
+        assert len(run["heldout_acc"]) == 3 and run["steps"] >= 1 and run["epochs_started"] == 1
