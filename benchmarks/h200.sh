@@ -33,6 +33,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="src:${PYTHONPATH:-}"
 step() { local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "it/s\]" "$OUT/$name.log" | tail -n 4; }
+# The device has no network: the packages the GPU image lacks travel unpacked in .whl/site (carry
+# .whl; made by `pip download -d .whl --python-version 3.12 --only-binary=:all: --platform
+# manylinux2014_x86_64 "jsonargparse[signatures]" ijson` and unzipping jsonargparse, docstring_parser,
+# typeshed_client and ijson into .whl/site).
+[ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for s in $STEPS; do case $s in
@@ -68,6 +73,16 @@ for s in $STEPS; do case $s in
                --regenerate.max_new_tokens 128 --regenerate.keep_truncated true --regenerate.batch_size 32"
              cp /tmp/runs/h200-regen/regen/manifest.json "$OUT/regen_manifest.json" 2>/dev/null
              python3 -m draftsmith.cli status /tmp/runs/h200-regen --json > "$OUT/regen_status.json" 2>&1 ;;
+  data)      step data "${DATA_LIMIT:-400}" bash -c "python3 -m draftsmith.cli prepare benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-} && \
+               python3 -m draftsmith.cli regenerate benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-}"  # resumes by chunk: rerun to go on
+             cp /tmp/runs/h200/regen/manifest.json "$OUT/regen_manifest.json" 2>/dev/null
+             cp /tmp/runs/h200/data/manifest.json "$OUT/data_manifest.json" 2>/dev/null ;;
+  trainsmoke) R="--run_dir /tmp/runs/h200-smoke --prepare.max_samples 1500 --regenerate.enabled false --train.max_steps ${SMOKE_STEPS:-40} \
+               --train.eval_every 20 --train.heldout_samples 64"  # the recipe's training on original answers: compile, speed, held-out
+             step trainsmoke "${SMOKE_LIMIT:-200}" bash -c "for s in prepare vocab train; do \
+               python3 -m draftsmith.cli \$s benchmarks/recipes/h200.yaml $R || exit 1; done"
+             cp /tmp/runs/h200-smoke/train/manifest.json "$OUT/smoke_train_manifest.json" 2>/dev/null
+             cp /tmp/runs/h200-smoke/train/metrics.jsonl "$OUT/smoke_train_metrics.jsonl" 2>/dev/null ;;
   profile)   step profile "${PROFILE_LIMIT:-90}" python3 benchmarks/profile_rounds.py benchmarks/recipes/h200.yaml \
                --out "$OUT/profile_rounds.json" ;;
   resident)  step resident "${RESIDENT_LIMIT:-200}" python3 benchmarks/bench_resident.py benchmarks/recipes/h200.yaml \

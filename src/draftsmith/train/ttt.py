@@ -100,6 +100,16 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all))
 
 
+def _inductor_workarounds() -> None:
+    """Inductor's mix-order reduction fusion (torch 2.10+, on by default) fails an assertion while
+    scheduling the TTT graph on an H200 (torch 2.11: `AssertionError: 65535 v.s. 65534`
+    in get_numel_rnumel), so training crashed in its first step; it is turned off (a fusion of
+    RMSNorm's two reductions, a few per cent at most). Older torch has no such option."""
+    import torch._inductor.config as inductor_config  # loads inductor: only when compiling
+    if hasattr(inductor_config.triton, "mix_order_reduction"):
+        inductor_config.triton.mix_order_reduction = False
+
+
 class TTTLoss(torch.nn.Module):
     """The drafter with its TTT loss as `forward`, so that FSDP2 (which hooks `forward`) sees
     one call per micro-batch: one all-gather of the parameters, one reduce-scatter of the
@@ -117,6 +127,8 @@ class TTTLoss(torch.nn.Module):
         super().__init__()
         self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
         self.compiled = compile_backend is not None
+        if compile_backend == "inductor":
+            _inductor_workarounds()
         self._loss = torch.compile(ttt_loss, backend=compile_backend, dynamic=False) if self.compiled else ttt_loss
 
     def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total, position_ids=None, doc_ids=None):
