@@ -6,7 +6,7 @@ drafting step i of the chain reads row c - 1 of TTT step i, fed x[c + i]; the ro
 i where that row's argmax is not x[c + 1 + i], capped by the drafts of that round.
 
 The drafter has a closed-form head: its linears are random, its lm_head is fitted by least squares
-to the teacher-forced states of the sequences the test decodes, so rounds accept 0..k drafts (a
+to the teacher-forced states of the sequences the test decodes (test_engine.fit_head), so rounds accept 0..k drafts (a
 random head accepts nearly none and would make the equality trivial). Paths: the eager host loop,
 static caches (host loop and resident rounds) on the CPU, in CI; CUDA graphs (host loop and
 resident rounds) on a GPU, marked `gpu` (benchmarks/h200.sh step `consistency`)."""
@@ -21,7 +21,7 @@ from draftsmith.speculate.fast import FastDraft, FastTarget
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
-from test_engine import PROMPTS, make_drafter
+from test_engine import PROMPTS, fit_head, make_drafter, teacher_forced
 
 K = 4          # chain length
 NEW = 24       # new tokens per prompt
@@ -35,38 +35,6 @@ def build(device: str, tmp_path_factory):
     seqs = [p + plain_generate(target, p, NEW) for p in PROMPTS]
     fit_head(target, drafter, seqs)
     return target, drafter, seqs
-
-
-@torch.inference_mode()
-def teacher_forced(target, drafter, x: list[int], k: int = K) -> list[torch.Tensor]:
-    """[k] tensors of hidden states [n, H]: step i's row t fed x[t + 1 + i] (padded past the end)."""
-    dev = target.device
-    n = len(x)
-    ids = torch.tensor([x + [0] * (k + 1)], device=dev)
-    aux = target.forward(ids[:, :n]).aux_hidden
-    hidden, cache, out = drafter.project(aux), [], []
-    for i in range(k):
-        hidden = drafter.ttt_step(ids[:, 1 + i:1 + i + n], hidden, torch.arange(n, device=dev)[None] + i, cache,
-                                  attention="reference")
-        out.append(hidden[0])
-    return out
-
-
-@torch.inference_mode()
-def fit_head(target, drafter, seqs: list[list[int]]) -> None:
-    """lm_head := least-squares fit of one-hot next tokens (x[t + 2 + i]) on the normed teacher-forced
-    states of every step, so that the drafter predicts these sequences well (not perfectly)."""
-    feats, labels = [], []
-    for x in seqs:
-        for i, h in enumerate(teacher_forced(target, drafter, x)):
-            rows = torch.arange(0, len(x) - 2 - i)
-            feats.append(drafter.norm(h[rows]))
-            labels.append(torch.tensor(x)[rows + 2 + i])
-    X = torch.cat(feats).double().cpu()
-    Y = torch.nn.functional.one_hot(torch.cat(labels), drafter.cfg.draft_vocab_size).double()
-    W = torch.linalg.solve(X.T @ X + 1e-3 * torch.eye(X.shape[1], dtype=X.dtype), X.T @ Y)   # [H, V]
-    drafter.lm_head.weight.copy_(W.T.to(drafter.lm_head.weight))
-    drafter.lm_head.weight.mul_(20.0)  # decisive logits: argmax far from ties
 
 
 @torch.inference_mode()

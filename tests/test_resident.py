@@ -15,7 +15,7 @@ from draftsmith.speculate.engine import generate
 from draftsmith.speculate.fast import FastDraft, FastTarget
 
 from test_engine import PROMPTS, make_drafter
-from test_fast import plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
+from test_fast import fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -96,10 +96,12 @@ def test_resident_equals_host_loop_and_plain(target, plains, mode, topk, budget,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_resident_with_a_real_drafter_equals_plain(target, plains, mode):
-    """A randomly initialised drafter through the real expansion (its drafts are mostly wrong)."""
+def test_resident_with_a_real_drafter_equals_plain(target, plains, fitted, mode):
+    """A real drafter through the real expansion: random linears, a head fitted to these continuations
+    (test_engine.fitted_drafter), so its drafts are accepted at several depths."""
     ft = FastTarget(target, mode)
-    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
+    drafter = fitted
+    accepted = []
     fd = FastDraft(drafter, graphs=mode != "static")
     for topk, budget in ((1, 4), (3, 8)):
         for batch in ([1], [0, 1, 2, 3]):
@@ -110,3 +112,5 @@ def test_resident_with_a_real_drafter_equals_plain(target, plains, mode):
                          fast=ft, resident=True)
             assert a[0] == b[0] == [plains[i] for i in batch]
             assert [_times_off(s) for s in a[1]] == [_times_off(s) for s in b[1]]
+            accepted += [x for s in b[1] for x in s.accepted_per_round]
+    assert max(accepted) >= 2 and sum(accepted) >= len(accepted) // 2, accepted
