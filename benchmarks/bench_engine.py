@@ -8,7 +8,7 @@ What is real and what is not
     target   a Llama-3-8B-shaped model (H 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256),
              random weights built directly on the GPU in bf16 (16 GB, seconds; nothing is read from disk)
     drafter  an EAGLE-3 drafter for it (one layer at H 4096, draft vocab 32000), random weights
-    drafts   the drafter really runs: every round the proposer calls Eagle3Proposer._expand, i.e.
+    drafts   the drafter really runs: every round the proposer calls Eagle3Proposer.expand, i.e.
              the drafter's steps, its top-k and the frontier choice, inside the same graph as always
              (the host loop's graphed expansion, the resident round's graph). Only then are its
              outputs (tokens, scores, parents) replaced by an oracle's, in tensor ops on the device:
@@ -127,7 +127,7 @@ def build_drafter(target: Target, dims: dict, seed: int) -> Eagle3Drafter:
 
 
 def oracle_tree(table: torch.Tensor, rows: torch.Tensor, K: int, D: int, tau: int, vocab: int):
-    """(toks, scores, parents) [B, K + (D-1)K²] in Eagle3Proposer._expand's layout (depth 1: K
+    """(toks, scores, parents) [B, K + (D-1)K²] in Eagle3Proposer.expand's layout (depth 1: K
     candidates; each further depth: K blocks of K children of the frontier), tensor ops only.
     The frontier at every depth is the first block's children; the first child of the first block
     carries table[b, rows_b + depth] (the true next token) for depth < tau and a wrong token from
@@ -174,8 +174,8 @@ class OracleEagle(Eagle3Proposer):
         super().__init__(drafter, **kw)
         self.table, self.tau, self.vocab = table, tau, vocab
 
-    def _expand(self, K, D, sampled, step, g_last, rows):
-        super()._expand(K, D, sampled, step, g_last, rows)  # the drafter's steps, top-k, frontier: the real cost
+    def expand(self, K, D, sampled, step, g_last, rows):
+        super().expand(K, D, sampled, step, g_last, rows)  # the drafter's steps, top-k, frontier: the real cost
         toks, scores, parents = oracle_tree(self.table, rows, K, D, self.tau, self.vocab)
         return toks, scores, parents, None
 

@@ -72,7 +72,8 @@ def test_oracle_pays_the_drafting_cost(resident):
     import torch
 
     from draftsmith.speculate.engine import generate
-    from draftsmith.speculate.fast import FastDraft, FastTarget
+    from draftsmith.speculate.eagle3 import FastDraft
+    from draftsmith.speculate.fast import FastTarget
 
     dims = bench_engine.CONFIGS["small"]
     target = bench_engine.build_target(dims, torch.device("cpu"), torch.float32, 0)

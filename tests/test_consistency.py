@@ -17,7 +17,8 @@ import torch
 
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate, plain_generate
-from draftsmith.speculate.fast import FastDraft, FastTarget
+from draftsmith.speculate.eagle3 import FastDraft
+from draftsmith.speculate.fast import FastTarget
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 

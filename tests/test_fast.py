@@ -10,7 +10,10 @@ import torch
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import PerSequence, generate, plain_generate
-from draftsmith.speculate.fast import FastDraft, FastTarget, Graphed, pick_on_device, resolve_mode
+from draftsmith.speculate.cache import Graphed
+from draftsmith.speculate.eagle3 import FastDraft
+from draftsmith.speculate.fast import FastTarget, resolve_mode
+from draftsmith.speculate.tree import pick_on_device
 from draftsmith.speculate.ngram import NgramProposer
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir

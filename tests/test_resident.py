@@ -1,7 +1,7 @@
 """Resident rounds (speculate/resident.py): greedy EAGLE-3 rounds done on the device give the same
 tokens and the same per-round statistics as the engine's host loop, and both equal plain decoding.
 
-The drafts come from an oracle `_expand` (tensor ops over the plain continuation, with planted
+The drafts come from an oracle `expand` (tensor ops over the plain continuation, with planted
 misses and a tree whose true child is not always the first), so rounds accept 0..depth drafts,
 trees are cut by the budget and by the token budget, and sequences of a batch finish apart.
 On a CPU the `static` mode runs; on a CUDA machine `graphs` too (one CUDA graph per round)."""
@@ -12,7 +12,8 @@ import torch
 
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
-from draftsmith.speculate.fast import FastDraft, FastTarget
+from draftsmith.speculate.eagle3 import FastDraft
+from draftsmith.speculate.fast import FastTarget
 
 from test_engine import PROMPTS, make_drafter
 from test_fast import fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
@@ -37,7 +38,7 @@ class OracleEagle(Eagle3Proposer):
         self.oracle = self.TABLE[:len(seqs)]
         self.V = vocab
 
-    def _expand(self, K, D, sampled, step, g_last, rows):
+    def expand(self, K, D, sampled, step, g_last, rows):
         B, dev = rows.shape[0], rows.device
         ks = torch.arange(K, device=dev)
         toks, scores, parents, n_prev, front, s = [], [], [], 0, None, None

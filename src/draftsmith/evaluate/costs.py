@@ -57,7 +57,7 @@ def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, ru
         L = prop.cache.length
 
         def dstep():
-            g2, logits = prop._step(x, g, pos, anc, L)
+            g2, logits = prop.step(x, g, pos, anc, L)
             if logits is None:
                 drafter.logits(g2)
             prop.cache.crop(L)

@@ -11,9 +11,9 @@ from typing import Optional
 import torch
 
 from ..artifacts import DraftsmithError
-from ..speculate.eagle3 import Eagle3Proposer
+from ..speculate.eagle3 import Eagle3Proposer, FastDraft
 from ..speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
-from ..speculate.fast import FastDraft, FastTarget, choose_mode, fast_target_or_none
+from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
 from ..speculate.ngram import NgramProposer
 
 SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
