@@ -30,15 +30,18 @@ and loop (host = engine.generate's host loop; resident = every round on the devi
     engine_eff   speedup / measured τ
     plain_bw     the plain baseline's fraction of the memory-bandwidth limit (evaluate/costs.decode_roofline:
                  weight bytes per step × steps/s over a measured device copy bandwidth)
-    planner      plan.predict's speedup from this process's measured step costs (target forward over
-                 1..64 tokens, drafter step; evaluate/costs.measure_step_costs) and round/plain overheads
-                 measured as evaluate does (from the batch-1 chain of that loop: that point is the
-                 calibration, so its error is ~0 by construction), with the measured per-position
-                 acceptance; error % = 100 (predicted - measured) / measured
+    planner      plan.predict's speedup from this process's measured step costs (evaluate/costs.
+                 measure_step_costs: target forward and drafter step at every batch size) and the
+                 round/plain overheads measured as evaluate does at each batch size (from that loop's
+                 chain: the calibration point, error ~0 by construction; the tree is the test), with
+                 the measured acceptance per position (tree: per depth); error % = 100 (predicted -
+                 measured) / measured. Also planner_bs1 (batch-1 costs scaled: the old planner) and
+                 planner_no_overhead (forwards and drafter steps alone).
 
 Headline keys (the resident loop, the device path; `_host` keys beside them for the host loop):
 engine_eff_8b_bs{1,4,16}_{chain,tree}, plain_bw_fraction_8b_bs{1,4,16}, drafter_step_over_target_8b,
-planner_max_abs_err_pct (over both methods and every batch size measured, resident loop), plus raw
+planner_max_abs_err_pct (over both methods and every batch size measured, resident loop; the tree's
+alone: planner_tree_max_abs_err_pct; the old batch-1 planner's: planner_bs1_max_abs_err_pct), plus raw
 timings under "runs". With --small the `8b` in every key is `small`. --budget_s stops starting new
 configurations once spent (what ran is written; the rest is listed in "skipped").
 """
@@ -251,8 +254,9 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(a.seed)
     all_prompts = torch.randint(3, V, (max(a.batch_sizes), P), generator=gen).tolist()
 
-    # step costs on this path (what `plan` predicts from), batch 1
-    costs = measure_step_costs(target, drafter, all_prompts[0], repeats=5, runners=runners)
+    # step costs on this path (what `plan` predicts from), at batch 1 and at every batch size measured
+    costs = measure_step_costs(target, drafter, all_prompts[0], repeats=5, runners=runners,
+                               batch_sizes=a.batch_sizes, tree_topk=a.tree_topk)
     fwd1 = costs["target_forward_ms"]["1"]
     result = {"config": name, "dims": dims, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "dtype": str(dtype).replace("torch.", ""), "path": runners.mode, "torch": torch.__version__,
@@ -317,19 +321,35 @@ def main(argv=None) -> int:
                       f"eff {r['engine_eff']:.3f}, {r['ms_per_round']:.3f} ms/round", flush=True)
         result["runs"][str(B)] = row
 
-    # headline keys and the planner
-    errs = {}
-    overhead = {}
+    # headline keys and the planner. Three cost inputs, each with the measured acceptance per position
+    # (chain: its profile; tree: the tree's per-depth profile, plan.predict's engine_trees rows):
+    #   planner             what `draftsmith plan --run_dir` predicts after evaluate at these batch sizes: the
+    #                       step costs measured at each batch size, and the round/plain overheads measured
+    #                       there from this loop's chain (so the chain is the calibration point: its error is
+    #                       ~0 by construction at every batch size; the tree's error is the test)
+    #   planner_bs1         the batch-1 costs and overheads only, scaled to other batch sizes (the old planner)
+    #   planner_no_overhead the measured forwards and drafter steps alone (no engine time)
+    from draftsmith.costmodel import MeasuredCost
+
+    errs, tree_errs, bs1_errs, inputs = {}, {}, {}, {}
+    base = {"target_forward_ms": costs["target_forward_ms"], "draft_step_ms": costs["draft_step_ms"],
+            "draft_step_ms_rows": costs.get("draft_step_ms_rows", {})}
     for loop in a.loops:
-        base = result["runs"].get(str(a.batch_sizes[0]), {})
-        chain1 = base.get("methods", {}).get("chain", {}).get(loop) if a.batch_sizes[0] == 1 else None
-        cost = {"target_forward_ms": costs["target_forward_ms"], "draft_step_ms": costs["draft_step_ms"]}
-        if chain1:  # evaluate's overheads (evaluate/costs.overheads), from this loop's batch-1 chain
-            from draftsmith.costmodel import MeasuredCost
-            mc = MeasuredCost.from_json(cost)
-            cost["round_overhead_ms"] = round(chain1["ms_per_round"] - (D * mc.draft_step_ms + mc.verify_ms(D + 1)), 4)
-            cost["plain_overhead_ms"] = round(base["plain_ms_per_step"] - mc.verify_ms(1), 4)
-        overhead[loop] = cost
+        mc = MeasuredCost.from_json({**base, "by_batch": costs.get("by_batch", {})})
+        full = {**base, "by_batch": {b: dict(c) for b, c in costs.get("by_batch", {}).items()}}
+        for B_str, row in result["runs"].items():
+            B = int(B_str)
+            chain = row["methods"].get("chain", {}).get(loop)
+            if chain is None:
+                continue
+            over = round(chain["ms_per_round"] - (D * mc.draft_ms(B) + mc.verify_ms(B * (D + 1), B)), 4)
+            plain_over = round(row["plain_ms_per_step"] - mc.verify_ms(B, B), 4)
+            if B == 1:
+                full.update(round_overhead_ms=over, plain_overhead_ms=plain_over)
+            else:
+                full["by_batch"][B_str].update(round_overhead_ms=over, plain_overhead_ms=plain_over)
+        bs1 = {**base, **{k: full[k] for k in ("round_overhead_ms", "plain_overhead_ms") if k in full}}
+        inputs[loop] = {"planner": full, "planner_bs1": bs1}
         for B_str, row in result["runs"].items():
             B = int(B_str)
             for method, by_loop in row["methods"].items():
@@ -339,20 +359,28 @@ def main(argv=None) -> int:
                 suffix = "" if loop == "resident" else "_host"
                 result[f"engine_eff_{name}_bs{B}_{method}{suffix}"] = r["engine_eff"]
                 K, budget = shapes[method]
-                kw = dict(ks=[D], tree_budgets=[]) if method == "chain" else dict(ks=[], tree_budgets=[budget + 1])
-                for tag, c in (("planner", cost), ("planner_no_overhead", {k: v for k, v in cost.items()
-                                                                          if not k.endswith("overhead_ms")})):
-                    pred = predict(r["accept_per_position"], c, [B], **kw)["rows"][0]
+                prof = r["accept_per_position"]
+                kw = dict(ks=[D], tree_budgets=[]) if method == "chain" else \
+                    dict(ks=[], tree_budgets=[], engine_trees=[(K, D, budget)], tree_accept=prof)
+                for tag, c in (("planner", full), ("planner_bs1", bs1), ("planner_no_overhead", base)):
+                    pred = predict(prof, c, [B], **kw)["rows"][0]
                     r[tag] = {"speedup": pred["speedup"], "tokens_per_step": pred["tokens_per_step"],
                               "step_ms": pred["step_ms"],
                               "err_pct": round(100 * (pred["speedup"] - r["speedup"]) / r["speedup"], 2)}
                 if loop == a.loops[0]:
                     errs[f"bs{B}_{method}"] = r["planner"]["err_pct"]
-    result["planner_costs"] = overhead
+                    bs1_errs[f"bs{B}_{method}"] = r["planner_bs1"]["err_pct"]
+                    if method == "tree":
+                        tree_errs[f"bs{B}"] = r["planner"]["err_pct"]
+    result["planner_inputs"] = inputs
     result["planner_errors_pct"] = errs
+    result["planner_bs1_errors_pct"] = bs1_errs
     result["planner_loop"] = a.loops[0]
     if errs:
         result["planner_max_abs_err_pct"] = round(max(abs(e) for e in errs.values()), 2)
+        result["planner_bs1_max_abs_err_pct"] = round(max(abs(e) for e in bs1_errs.values()), 2)
+    if tree_errs:
+        result["planner_tree_max_abs_err_pct"] = round(max(abs(e) for e in tree_errs.values()), 2)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     if a.out:
         atomic_write_json(a.out, result)

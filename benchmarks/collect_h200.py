@@ -126,9 +126,10 @@ def collect(d: Path) -> dict:
     if be:
         keys = [k for k in be if k.startswith(("engine_eff_8b_", "plain_bw_fraction_8b_"))]
         out.update({k: be[k] for k in keys + ["drafter_step_over_target_8b"] if k in be})
-        if "planner_max_abs_err_pct" in be:
+        if "planner_max_abs_err_pct" in be:  # chain calibrated per batch size; the tree is the test
             out["planner_max_abs_err_pct"] = be["planner_max_abs_err_pct"]
             out["planner_errors_pct_8b"] = be["planner_errors_pct"]
+            out.update({k: be[k] for k in ("planner_tree_max_abs_err_pct", "planner_bs1_max_abs_err_pct") if k in be})
         out["engine_8b_tau_measured"] = {f"bs{b}_{m}_{loop}": r["tau"] for b, row in be["runs"].items()
                                          for m, by in row["methods"].items() for loop, r in by.items()}
         if be.get("skipped"):
