@@ -1,7 +1,8 @@
 """Engine efficiency at realistic costs: speedup ÷ τ of speculative rounds with τ fixed by an oracle,
 on an 8B-shaped target and an 8B-class EAGLE-3 drafter (issue 20 item 1).
 
-    python benchmarks/bench_engine.py --out bench_engine.json                 # H200: ~150 s, bf16, graphs
+    python benchmarks/bench_engine.py --out bench_engine.json                 # H200, bf16, graphs: --budget_s 170 of
+                                                                              # measuring, ~200 s with the build (not yet run)
     python benchmarks/bench_engine.py --small --out /tmp/e.json               # CPU smoke: tiny dims, static caches
 
 What is real and what is not

@@ -289,9 +289,13 @@ class MeasuredCost:
         """One drafter step over `rows` rows per sequence, `batch` sequences."""
         if batch in self.by_batch:
             c = self.by_batch[batch]
-            return c.draft_step_ms if rows == 1 else _interpolate({1: c.draft_step_ms, **c.draft_step_ms_rows}, rows)
-        one = self.draft_step_ms if rows == 1 else _interpolate({1: self.draft_step_ms, **self.draft_step_ms_rows}, rows)
-        return one * (self.verify_ms(batch, batch) / self.verify_ms(1))  # not measured: scales like the target
+            if rows == 1 or c.draft_step_ms_rows:
+                return _interpolate({1: c.draft_step_ms, **c.draft_step_ms_rows}, rows)
+            return c.draft_step_ms * self.verify_ms(batch * rows, batch) / self.verify_ms(batch, batch)
+        if rows > 1 and self.draft_step_ms_rows:  # measured over `rows` rows at batch 1; batches scale like the target
+            one = _interpolate({1: self.draft_step_ms, **self.draft_step_ms_rows}, rows)
+            return one * self.verify_ms(batch * rows) / self.verify_ms(rows)
+        return self.draft_step_ms * self.verify_ms(batch * rows) / self.verify_ms(1)  # scales like the target
 
     def round_overhead(self, batch: int = 1) -> float:
         c = self.by_batch.get(batch)
