@@ -223,6 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
     ap.add_argument("--fast", default=None, help="decoding path: graphs (GPU default) or static (CPU default)")
     ap.add_argument("--budget_s", type=float, default=170.0, help="start no new configuration after this many seconds")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (GPU), float32 (CPU)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         print("bench_engine: the 8B-shaped pair needs a CUDA GPU; run with --small for the CPU smoke", file=sys.stderr)
         return 2
     dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if cuda else torch.float32)
     mode = a.fast or ("graphs" if cuda else "static")
     P = a.prompt_len or (128 if not a.small else 12)
     max_new = a.max_new_tokens or (128 if not a.small else 20)
