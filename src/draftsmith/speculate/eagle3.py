@@ -11,6 +11,10 @@ proposes its top-k children. Of all nodes seen, the `budget` best by cumulative 
 form the tree (closed under ancestors, since log-probs only decrease along a path). A chain is
 topk=1, budget=depth. At temperature > 0 a chain samples its drafts and hands their distribution
 to rejection sampling; a tree keeps deterministic top-k nodes (verified as point masses).
+
+FastDraft (below) is the drafter's fast path: its static cache (cache.StaticDraftCache) and graphed
+steps, and the whole `expand` of a round as one graph. `expand`, `step` and `graph_step` are public:
+the resident round (resident.py) and evaluate's step costs call them.
 """
 from __future__ import annotations
 
