@@ -322,6 +322,8 @@ def main(argv=None) -> int:
                 print(f"[bench_engine] batch {B} {method} {loop}: tau {tau:.3f}, x{speedup:.3f}, "
                       f"eff {r['engine_eff']:.3f}, {r['ms_per_round']:.3f} ms/round", flush=True)
         result["runs"][str(B)] = row
+        if a.out:  # what ran so far survives a kill past the step's time limit (the planner comes at the end)
+            atomic_write_json(a.out, result)
 
     # headline keys and the planner. Three cost inputs, each with the measured acceptance per position
     # (chain: its profile; tree: the tree's per-depth profile, plan.predict's engine_trees rows):
