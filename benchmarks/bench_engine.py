@@ -319,6 +319,7 @@ def main(argv=None) -> int:
                     "speedup": round(speedup, 4), "engine_eff": round(speedup / tau, 4),
                     "speedup_over_tau_set": round(speedup / a.tau, 4),
                     "equal_to_plain": f"{sum(x == y for x, y in zip(new, ref))}/{B}"}
+                result[f"engine_eff_{name}_bs{B}_{method}{'' if loop == 'resident' else '_host'}"] = r["engine_eff"]
                 print(f"[bench_engine] batch {B} {method} {loop}: tau {tau:.3f}, x{speedup:.3f}, "
                       f"eff {r['engine_eff']:.3f}, {r['ms_per_round']:.3f} ms/round", flush=True)
         result["runs"][str(B)] = row
@@ -360,8 +361,6 @@ def main(argv=None) -> int:
                 r = by_loop.get(loop)
                 if r is None:
                     continue
-                suffix = "" if loop == "resident" else "_host"
-                result[f"engine_eff_{name}_bs{B}_{method}{suffix}"] = r["engine_eff"]
                 K, budget = shapes[method]
                 prof = r["accept_per_position"]
                 kw = dict(ks=[D], tree_budgets=[]) if method == "chain" else \
