@@ -9,8 +9,8 @@ pipeline's evaluate: MT-Bench, batch 1/4/16), fp8_eval_results.json (where prese
 pipeline on fp8 captures), k3/k7_eval_results.json (chain k sweeps), humaneval_eval_results.json,
 reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
 pipeline's training MFU), bench_capture.json, bench_train.json, bench_train_kimi.json (its Kimi probe replaces
-bench_train.json's), bench_train_real_h512/2048/4096.json (training on real captures), regen_manifest.json and
-profile_rounds.json. Every figure is computed here from those files; nothing is typed in."""
+bench_train.json's), bench_train_real_h512/2048/4096.json (training on real captures), regen_manifest.json,
+profile_rounds.json and bench_engine.json (engine efficiency at fixed τ on the 8B-shaped pair). Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
 
 import argparse
@@ -122,6 +122,18 @@ def collect(d: Path) -> dict:
         out["regenerate"] = {**rg["counts"], "seconds": rg["timings"]["regenerate_s"],
                              "loss_tokens_per_s": rg["metrics"].get("loss_tokens_per_s"),
                              "max_new_tokens": rg["config"]["max_new_tokens"], "batch_size": rg["config"]["batch_size"]}
+    be = load("bench_engine.json", required=False)  # engine efficiency at fixed τ, 8B-shaped pair (driver step `engine`)
+    if be:
+        keys = [k for k in be if k.startswith(("engine_eff_8b_", "plain_bw_fraction_8b_"))]
+        out.update({k: be[k] for k in keys + ["drafter_step_over_target_8b"] if k in be})
+        if "planner_max_abs_err_pct" in be:  # chain calibrated per batch size; the tree is the test
+            out["planner_max_abs_err_pct"] = be["planner_max_abs_err_pct"]
+            out["planner_errors_pct_8b"] = be["planner_errors_pct"]
+            out.update({k: be[k] for k in ("planner_tree_max_abs_err_pct", "planner_bs1_max_abs_err_pct") if k in be})
+        out["engine_8b_tau_measured"] = {f"bs{b}_{m}_{loop}": r["tau"] for b, row in be["runs"].items()
+                                         for m, by in row["methods"].items() for loop, r in by.items()}
+        if be.get("skipped"):
+            out["engine_8b_skipped"] = be["skipped"]
     pr = load("profile_rounds.json", required=False)  # where a round's time goes
     if pr:
         out["round_profile"] = {m: {k: v[k] for k in ("rounds", "ms_per_round_profiled", "gpu_busy_ms_per_round")}

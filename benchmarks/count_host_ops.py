@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from draftsmith.speculate import fast  # noqa: E402
-from draftsmith.speculate.eagle3 import Eagle3Proposer  # noqa: E402
+from draftsmith.speculate import cache, fast  # noqa: E402
+from draftsmith.speculate.eagle3 import Eagle3Proposer, FastDraft  # noqa: E402
 from draftsmith.speculate.engine import PerSequence, generate  # noqa: E402
 from draftsmith.speculate.ngram import NgramProposer  # noqa: E402
 from draftsmith.target.model import load_target  # noqa: E402
@@ -39,13 +39,13 @@ def main() -> int:
     torch.manual_seed(0)
     target = load_target(make_model_dir(tempfile.mkdtemp(), num_layers=2), device="cpu", dtype="float32")
     drafter = make_drafter(target, draft_vocab=200, seed=3)
-    ft, fd = fast.FastTarget(target, "static"), fast.FastDraft(drafter, graphs=False)
-    call = fast.Graphed.__call__
+    ft, fd = fast.FastTarget(target, "static"), FastDraft(drafter, graphs=False)
+    call = cache.Graphed.__call__
 
     def marked(self, *xs):
         with torch.profiler.record_function("GRAPHED"):
             return call(self, *xs)
-    fast.Graphed.__call__ = marked
+    cache.Graphed.__call__ = marked
     prompts = [list(range(1, 40))] if "--batch4" not in sys.argv else [list(range(1, 40 + 7 * i)) for i in range(4)]
     methods = {"chain k=5": lambda: Eagle3Proposer(drafter, topk=1, budget=5, fast=fd),
                "tree 16": lambda: Eagle3Proposer(drafter, topk=4, budget=16, fast=fd),

@@ -9,6 +9,8 @@
 #   STEPS="regen capture train gputests" REGEN_SAMPLES=32 TRAIN_LIMIT=300 TRAIN_BUDGET=230 \
 #     bash benchmarks/h200.sh                                                  # call C, 414 s
 # (`train` sweeps the drafter shapes, then probes the Kimi shape; `kimi` runs the probe alone, 149 s)
+#   STEPS="engine consistency" bash benchmarks/h200.sh     # issue 20/19: needs nothing from the calls above;
+#                                                          # engine ~200 s (ENGINE_BUDGET=170), consistency ~1-2 min
 # then `python benchmarks/collect_h200.py DIR --update benchmarks/results/h200.json` on their outputs.
 # Steps: reference -> pipeline (prepare, capture, vocab, train, evaluate at batch 1/4/16 with plain,
 # chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
@@ -18,7 +20,10 @@
 # -> trainreal (per width in TRAIN_WIDTHS: wide_target.py + prepare/capture/vocab, then bench_train.py --capture:
 # drafter training tokens/s and MFU on that capture, eager then with train.compile's default) -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
 # -> residenttests (test_resident.py and test_fast.py, graphs included) -> write (bench_write.py: shard
-# write throughput on this host's disk). Also: random (random weights, speed only), speculative
+# write throughput on this host's disk) -> engine (bench_engine.py: speedup ÷ τ with τ fixed by an oracle on an
+# 8B-shaped random-weight target and an H 4096 drafter, batch 1/4/16, chain and tree, host and resident loops;
+# ENGINE_BUDGET seconds of measuring, ~200 s in all) -> consistency (tests/test_consistency.py -m gpu: every
+# round's accepted count equals the drafter's teacher-forced prediction, graphs and resident paths, float32). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
@@ -85,6 +90,10 @@ for s in $STEPS; do case $s in
              cp /tmp/runs/h200-smoke/train/metrics.jsonl "$OUT/smoke_train_metrics.jsonl" 2>/dev/null ;;
   profile)   step profile "${PROFILE_LIMIT:-90}" python3 benchmarks/profile_rounds.py benchmarks/recipes/h200.yaml \
                --out "$OUT/profile_rounds.json" ;;
+  engine)    step engine "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine.py --budget_s "${ENGINE_BUDGET:-170}" \
+               ${ENGINE_ARGS:-} --out "$OUT/bench_engine.json" ;;
+  consistency) step consistency "${CONSISTENCY_LIMIT:-180}" python3 -m pytest -q -m gpu tests/test_consistency.py \
+               -p no:cacheprovider ;;
   resident)  step resident "${RESIDENT_LIMIT:-200}" python3 benchmarks/bench_resident.py benchmarks/recipes/h200.yaml \
                ${RESIDENT_ARGS:-} --out "$OUT/bench_resident.json" ;;
   residenttests) step residenttests "${RT_LIMIT:-240}" python3 -m pytest -q tests/test_resident.py tests/test_fast.py \

@@ -127,6 +127,15 @@ def test_evaluate_on_static_caches(recipe):
     assert met["path"] == "static" and m["step_costs"]["path"] == "static"
     sc = m["step_costs"]  # the engine's time beyond forwards, for the planner
     assert isinstance(sc["round_overhead_ms"], float) and isinstance(sc["plain_overhead_ms"], float)
+    b2 = sc["by_batch"]["2"]  # measured at batch 2 too: forwards per sequence, drafting, both overheads
+    assert list(b2["target_forward_ms"]) == ["1", "2", "4", "8", "16", "32"] and b2["draft_step_ms"] > 0
+    assert list(b2["draft_step_ms_rows"]) == ["2", "4"]  # tree_topk 2, and 4 rows
+    assert isinstance(b2["round_overhead_ms"], float) and isinstance(b2["plain_overhead_ms"], float)
+    assert set(met["accept_rate_per_position_by_method"]) == {"eagle3_chain", "eagle3_tree", "ngram"}
+    from draftsmith.plan import PlanConfig, plan
+    p = plan(PlanConfig(run_dir=recipe.run_dir, batch_sizes=[1, 2]))
+    engine = [r for r in p["rows"] if r["method"] == "eagle3-tree-engine"]
+    assert [r["batch"] for r in engine] == [1, 2] and engine[0]["tokens_source"] == "measured tree acceptance"
     res = read_json(recipe.run_dir + "/eval/results.json")
     assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())
     assert all(r["identical"] == 2 for b in res["batches"] for r in b["methods"].values())

@@ -10,12 +10,15 @@ import torch
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import PerSequence, generate, plain_generate
-from draftsmith.speculate.fast import FastDraft, FastTarget, Graphed, pick_on_device, resolve_mode
+from draftsmith.speculate.cache import Graphed
+from draftsmith.speculate.eagle3 import FastDraft
+from draftsmith.speculate.fast import FastTarget, resolve_mode
+from draftsmith.speculate.tree import pick_on_device
 from draftsmith.speculate.ngram import NgramProposer
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
-from test_engine import PROMPTS, OracleProposer, make_drafter
+from test_engine import PROMPTS, OracleProposer, fitted_drafter, make_drafter
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -35,6 +38,12 @@ def plains(target):
     return [plain_generate(target, p, 24) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def fitted(target):
+    """A drafter whose head is fitted to these continuations: its drafts are accepted (test_engine.fitted_drafter)."""
+    return fitted_drafter(target, seed=1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fast_plain_equals_eager_plain(target, plains, mode):
     ft = FastTarget(target, mode, max_len=16)  # too small on purpose: prefill grows it
@@ -47,10 +56,11 @@ def test_fast_plain_equals_eager_plain(target, plains, mode):
 
 @pytest.mark.parametrize("mode", SPEC_MODES)
 @pytest.mark.parametrize("method", ["chain", "tree", "ngram", "oracle"])
-def test_fast_speculative_lossless(target, plains, mode, method):
+def test_fast_speculative_lossless(target, plains, fitted, mode, method):
     ft = FastTarget(target, mode)
-    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
+    drafter = fitted
     fd = FastDraft(drafter, graphs=mode != "static")
+    accepted = []
     for batch in ([0], [1], [2], [3], [0, 1, 2, 3]):
         prompts = [PROMPTS[i] for i in batch]
         if method == "chain":
@@ -64,6 +74,9 @@ def test_fast_speculative_lossless(target, plains, mode, method):
         new, stats = generate(target, prop, prompts, 24, depth=4, fast=ft)
         assert new == [plains[i] for i in batch], (method, batch)
         assert all(s.rounds >= 1 for s in stats)
+        accepted += [a for s in stats for a in s.accepted_per_round]
+    if method != "ngram":  # drafts were accepted, deep ones too: cache moves and masks are exercised
+        assert max(accepted) >= 2 and sum(accepted) >= len(accepted) // 2, (method, accepted)
 
 
 def test_fast_oracle_accepts_everything(target, plains):

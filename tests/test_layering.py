@@ -1,6 +1,8 @@
 """The import graph of src/draftsmith, read from the AST (module-level and function-local imports
-alike): no cycle outside speculate/, and no import running back up the layers of
-docs/architecture.md. Nothing is imported or run; the files are parsed.
+alike): no cycle, and no import running back up the layers of docs/architecture.md; inside
+speculate/ no cycle either (its files are layers of their own: tree/cache, verifier, proposers,
+the loop) and no file reaches into another's private names (`x._verify(...)`, `from .a import _b`).
+Nothing is imported or run; the files are parsed.
 
     python tests/test_layering.py [SRC]    # prints the violations of another tree (e.g. /work/main/src)
 """
@@ -31,7 +33,7 @@ PACKAGES = ("draftsmith", "draftsmith.data", "draftsmith.target", "draftsmith.dr
 TOOLS = ("draftsmith.plan", "draftsmith.status", "draftsmith.doctor")
 """They read manifests and the cost model: they import no stage, no pipeline, no CLI."""
 ENGINE = "draftsmith.speculate"
-"""The engine's own files are one node here (their cycle belongs to the engine's issue)."""
+"""The engine's files are one node in the package-wide check; `engine_violations` checks inside it."""
 
 
 def module_files(src: Path) -> dict[str, Path]:
@@ -86,11 +88,12 @@ def node(mod: str) -> str:
     return ENGINE if mod == ENGINE or mod.startswith(ENGINE + ".") else mod
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one node, speculate/ collapsed to one node (Tarjan)."""
+def cycles(graph: dict[str, set[str]], collapse=node) -> list[list[str]]:
+    """Strongly connected components of more than one node, modules mapped by `collapse` (default:
+    speculate/ as one node) (Tarjan)."""
     g: dict[str, set[str]] = {}
     for a, bs in graph.items():
-        g.setdefault(node(a), set()).update(node(b) for b in bs if node(b) != node(a))
+        g.setdefault(collapse(a), set()).update(collapse(b) for b in bs if collapse(b) != collapse(a))
     index, low, stack, on, out = {}, {}, [], set(), []
 
     def visit(v: str) -> None:
@@ -120,9 +123,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def private_reaches(path: Path) -> list[str]:
+    """`obj._name` where obj is not self/cls/an imported module and no def or `self._name =` of this
+    file defines _name; and `from .mod import _name`. Private names stay in the file that owns them."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules, own, out = set(), set(), []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            modules.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, ast.ImportFrom):
+            out += [f"{path.name}:{n.lineno} imports the private {a.name} from {n.module}" for a in n.names
+                    if a.name.startswith("_") and not a.name.startswith("__") and n.module != "__future__"]
+            modules.update(a.asname or a.name for a in n.names)  # `from torch import nn`: a module or a name
+        elif isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            own.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            own.add(n.attr)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__") and n.attr not in own:
+            base = n.value
+            if isinstance(base, ast.Name) and (base.id in ("self", "cls") or base.id in modules):
+                continue
+            out.append(f"{path.name}:{n.lineno} reaches into .{n.attr} of another file's object")
+    return out
+
+
+def engine_violations(src: Path) -> list[str]:
+    """Inside speculate/: no import cycle between its files, no private reach across them."""
+    graph = imports(src)
+    inside = {a: {b for b in bs if node(b) == ENGINE} for a, bs in graph.items() if node(a) == ENGINE}
+    out = [f"cycle in speculate/: {' <-> '.join(c)}" for c in cycles(inside, collapse=lambda m: m)]
+    for mod, path in module_files(src).items():
+        if node(mod) == ENGINE:
+            out += [f"speculate/{r}" for r in private_reaches(path)]
+    return out
+
+
 def violations(src: Path) -> list[str]:
     graph = imports(src)
-    out = [f"cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    out = [f"cycle: {' <-> '.join(c)}" for c in cycles(graph)] + engine_violations(src)
     for a in sorted(graph):
         if a in PACKAGES:
             continue
@@ -165,6 +204,25 @@ def test_the_graph_sees_function_local_imports(tmp_path):
     found = violations(tmp_path)
     assert "cycle: draftsmith.artifacts <-> draftsmith.config" in found
     assert "upward: draftsmith.status (stages and tools) imports draftsmith.cli (cli)" in found
+
+
+def test_speculate_cycles_and_private_reaches_are_found(tmp_path):
+    """The checker on speculate/: a cycle between two of its files (through a function-local import)
+    and a call of another file's private method are both reported; a file's own privates are not."""
+    spec = tmp_path / "draftsmith" / "speculate"
+    spec.mkdir(parents=True)
+    for f in ("draftsmith/__init__.py", "draftsmith/speculate/__init__.py"):
+        (tmp_path / f).write_text("")
+    (spec / "fast.py").write_text("class FastTarget:\n    def _verify(self):\n        return self._keep()\n"
+                                  "    def _keep(self):\n        return 1\n"
+                                  "def g():\n    from .engine import generate\n")
+    (spec / "engine.py").write_text("from .fast import FastTarget\nfrom .fast import _helper\n"
+                                    "def generate(ft):\n    return ft._verify()\n")
+    found = engine_violations(tmp_path)
+    assert "cycle in speculate/: draftsmith.speculate.engine <-> draftsmith.speculate.fast" in found
+    assert "speculate/engine.py:4 reaches into ._verify of another file's object" in found
+    assert "speculate/engine.py:2 imports the private _helper from fast" in found
+    assert not [f for f in found if f.startswith("speculate/fast.py")]
 
 
 if __name__ == "__main__":

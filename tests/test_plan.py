@@ -158,3 +158,22 @@ def test_measured_engine_overheads_enter_every_step():
     assert both["step_ms"] == pytest.approx(3 * 1.0 + verify4 + 2.0, abs=1e-3)
     e = 1 + 0.5 + 0.25 + 0.125
     assert both["speedup"] == pytest.approx(e * 10.5 / (3 + verify4 + 2.0), abs=1e-3)
+
+
+def test_measured_costs_per_batch_size_are_used_there():
+    """step_costs.by_batch (evaluate measures it at each batch size it runs): forwards per sequence,
+    drafter steps over rows, overheads; a batch size without them scales the batch-1 figures."""
+    c = costmodel.MeasuredCost.from_json({
+        "target_forward_ms": {"1": 5, "8": 6, "64": 12}, "draft_step_ms": 0.5, "draft_step_ms_rows": {"4": 0.55},
+        "round_overhead_ms": 1, "plain_overhead_ms": 0.1,
+        "by_batch": {"4": {"target_forward_ms": {"1": 5.5, "8": 9}, "draft_step_ms": 0.6,
+                           "draft_step_ms_rows": {"4": 0.8}, "round_overhead_ms": 2, "plain_overhead_ms": 0.3}}})
+    assert c.verify_ms(4 * 8, 4) == 9 and c.verify_ms(4, 4) == 5.5       # per-sequence tokens at batch 4
+    assert c.draft_ms(4) == 0.6 and c.draft_ms(4, 4) == 0.8
+    assert c.round_overhead(4) == 2 and c.plain_overhead(4) == 0.3
+    assert c.round_overhead(2) == 1 and c.plain_overhead(2) == 0.1         # not measured at 2: batch 1's
+    assert c.verify_ms(16, 2) == c.verify_ms(16) and c.draft_ms(2, 4) == pytest.approx(0.55 * c.verify_ms(8) / c.verify_ms(4))
+    tree = plan.predict([0.9, 0.7, 0.6], c, [4], ks=[], tree_budgets=[], engine_trees=[(4, 3, 8)], tree_accept=[0.9, 0.7, 0.6])
+    row = tree["rows"][0]
+    assert row["tokens_per_step"] == pytest.approx(1 + 0.9 + 0.9 * 0.7 + 0.9 * 0.7 * 0.6)
+    assert row["step_ms"] == pytest.approx(2 * 0.8 + 0.6 + c.verify_ms(4 * 9, 4) + 2)

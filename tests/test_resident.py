@@ -1,7 +1,7 @@
 """Resident rounds (speculate/resident.py): greedy EAGLE-3 rounds done on the device give the same
 tokens and the same per-round statistics as the engine's host loop, and both equal plain decoding.
 
-The drafts come from an oracle `_expand` (tensor ops over the plain continuation, with planted
+The drafts come from an oracle `expand` (tensor ops over the plain continuation, with planted
 misses and a tree whose true child is not always the first), so rounds accept 0..depth drafts,
 trees are cut by the budget and by the token budget, and sequences of a batch finish apart.
 On a CPU the `static` mode runs; on a CUDA machine `graphs` too (one CUDA graph per round)."""
@@ -12,10 +12,11 @@ import torch
 
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
-from draftsmith.speculate.fast import FastDraft, FastTarget
+from draftsmith.speculate.eagle3 import FastDraft
+from draftsmith.speculate.fast import FastTarget
 
 from test_engine import PROMPTS, make_drafter
-from test_fast import plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
+from test_fast import fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -37,7 +38,7 @@ class OracleEagle(Eagle3Proposer):
         self.oracle = self.TABLE[:len(seqs)]
         self.V = vocab
 
-    def _expand(self, K, D, sampled, step, g_last, rows):
+    def expand(self, K, D, sampled, step, g_last, rows):
         B, dev = rows.shape[0], rows.device
         ks = torch.arange(K, device=dev)
         toks, scores, parents, n_prev, front, s = [], [], [], 0, None, None
@@ -96,10 +97,12 @@ def test_resident_equals_host_loop_and_plain(target, plains, mode, topk, budget,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_resident_with_a_real_drafter_equals_plain(target, plains, mode):
-    """A randomly initialised drafter through the real expansion (its drafts are mostly wrong)."""
+def test_resident_with_a_real_drafter_equals_plain(target, plains, fitted, mode):
+    """A real drafter through the real expansion: random linears, a head fitted to these continuations
+    (test_engine.fitted_drafter), so its drafts are accepted at several depths."""
     ft = FastTarget(target, mode)
-    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
+    drafter = fitted
+    accepted = []
     fd = FastDraft(drafter, graphs=mode != "static")
     for topk, budget in ((1, 4), (3, 8)):
         for batch in ([1], [0, 1, 2, 3]):
@@ -110,3 +113,5 @@ def test_resident_with_a_real_drafter_equals_plain(target, plains, mode):
                          fast=ft, resident=True)
             assert a[0] == b[0] == [plains[i] for i in batch]
             assert [_times_off(s) for s in a[1]] == [_times_off(s) for s in b[1]]
+            accepted += [x for s in b[1] for x in s.accepted_per_round]
+    assert max(accepted) >= 2 and sum(accepted) >= len(accepted) // 2, accepted

@@ -284,12 +284,13 @@ class EvaluateConfig:
     transformers with its dynamic KV cache; static = static KV caches; graphs = static caches and
     CUDA graphs; compile = graphs around a torch.compile'd target forward. auto = graphs on a GPU,
     off on a CPU."""
-    resident: bool = False
-    """true: greedy EAGLE-3 on a fast path (static/graphs/compile) runs each round on the device:
-    drafting, tree selection, verification, acceptance and the cache updates as tensor ops (one
-    CUDA graph per round under graphs), the host reading one flag per round. false: the host loop,
-    which reads drafts and the target's argmax back every round. Same outputs (tests); off by
-    default until its GPU speed is measured (benchmarks/bench_resident.py; docs/fast-paths.md)."""
+    resident: bool = True
+    """true (default): greedy EAGLE-3 on a fast path (static/graphs/compile; `fast: auto` on a GPU)
+    runs each round on the device: drafting, tree selection, verification, acceptance and the cache
+    updates as tensor ops (one CUDA graph per round under graphs), the host reading one flag per
+    round. Sampling (temperature > 0), eager decoding and other proposers always take the host loop
+    (docs/fast-paths.md says why). false: the host loop for everything, which reads drafts and the
+    target's argmax back every round. Same outputs and statistics either way (tests)."""
 
 
 @dataclass

@@ -12,7 +12,7 @@ overheads), status and doctor (target facts, memory fit). No torch: a leaf that 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Protocol, Union
 
@@ -207,14 +207,43 @@ HARDWARE = {
 
 class StepCost(Protocol):
     def verify_ms(self, tokens: int, batch: int) -> float: ...
-    def draft_ms(self, batch: int) -> float: ...
+    def draft_ms(self, batch: int, rows: int = 1) -> float: ...
+
+
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Linear between measured points; past the last, linear from the last two; one point: proportional."""
+    xs = sorted(points)
+    if x in points:
+        return points[x]
+    ys = [points[k] for k in xs]
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = max(next((i for i, k in enumerate(xs) if k > x), len(xs) - 1), 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+@dataclass
+class BatchCost:
+    """Step costs measured at one batch size b > 1 (evaluate measures them at each batch size it runs)."""
+
+    target_forward_ms: dict[int, float]
+    """Forward time over n new tokens PER SEQUENCE (b * n rows in all), keyed by n."""
+    draft_step_ms: float
+    """One drafter step over one row per sequence."""
+    draft_step_ms_rows: dict[int, float] = field(default_factory=dict)
+    """One drafter step over r rows per sequence (a tree's frontier), keyed by r."""
+    round_overhead_ms: Optional[float] = None
+    plain_overhead_ms: Optional[float] = None
 
 
 @dataclass
 class MeasuredCost:
     """Step costs measured on the real stack: target forward time for 1..N tokens verified and the
     drafter's step time. Between measured token counts, linear interpolation; past the last, linear
-    extrapolation from the last two points (a forward grows at least linearly once compute-bound)."""
+    extrapolation from the last two points (a forward grows at least linearly once compute-bound).
+    `by_batch` holds the same measured at other batch sizes (BatchCost); where a batch size has
+    none, the batch-1 figures are scaled (verify over b * tokens, drafting like the target)."""
 
     target_forward_ms: dict[int, float]
     draft_step_ms: float
@@ -223,6 +252,9 @@ class MeasuredCost:
     forward (host work, the committed-row feed): evaluate measures it on the chain it ran."""
     plain_overhead_ms: float = 0.0
     """Per plain decoding step, beyond one target forward (evaluate measures it too)."""
+    draft_step_ms_rows: dict[int, float] = field(default_factory=dict)
+    """Batch 1: one drafter step over r rows (a tree's frontier), keyed by r."""
+    by_batch: dict[int, BatchCost] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, d: dict, where: str = "step_costs") -> "MeasuredCost":
@@ -230,27 +262,48 @@ class MeasuredCost:
             pts = {int(k): float(v) for k, v in d["target_forward_ms"].items()}
             draft = float(d.get("draft_step_ms") or 0.0)
             rnd, plain = float(d.get("round_overhead_ms") or 0.0), float(d.get("plain_overhead_ms") or 0.0)
+            rows = {int(k): float(v) for k, v in (d.get("draft_step_ms_rows") or {}).items()}
+            if d.get("draft_step_ms_4_rows") is not None:  # evaluate's older key
+                rows.setdefault(4, float(d["draft_step_ms_4_rows"]))
+            by_batch = {}
+            for b, c in (d.get("by_batch") or {}).items():
+                opt = lambda k: None if c.get(k) is None else float(c[k])  # noqa: E731
+                by_batch[int(b)] = BatchCost({int(k): float(v) for k, v in c["target_forward_ms"].items()},
+                                             float(c["draft_step_ms"]),
+                                             {int(k): float(v) for k, v in (c.get("draft_step_ms_rows") or {}).items()},
+                                             opt("round_overhead_ms"), opt("plain_overhead_ms"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DraftsmithError(f"{where}: expected {{'target_forward_ms': {{'1': ms, ...}}, 'draft_step_ms': ms}} "
                                   f"({type(e).__name__}: {e}); rerun evaluate or fix the file") from None
         if 1 not in pts:
             raise DraftsmithError(f"{where}: target_forward_ms has no entry for 1 token (plain decoding); measure it")
-        return cls(pts, draft, max(rnd, 0.0), max(plain, 0.0))
+        return cls(pts, draft, max(rnd, 0.0), max(plain, 0.0), rows, by_batch)
 
     def verify_ms(self, tokens: int, batch: int = 1) -> float:
-        xs = sorted(self.target_forward_ms)
-        ys = [self.target_forward_ms[x] for x in xs]
-        if tokens in self.target_forward_ms:
-            return self.target_forward_ms[tokens]
-        if len(xs) == 1:
-            return ys[0] * tokens
-        i = next((i for i, x in enumerate(xs) if x > tokens), len(xs) - 1)
-        i = max(i, 1)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 0.0)
+        """A forward over `tokens` rows in all (batch * tokens per sequence)."""
+        if batch in self.by_batch:
+            return _interpolate(self.by_batch[batch].target_forward_ms, tokens / batch)
+        return _interpolate(self.target_forward_ms, tokens)
 
-    def draft_ms(self, batch: int = 1) -> float:
-        return self.draft_step_ms * (self.verify_ms(batch) / self.verify_ms(1))  # drafter scales like the target
+    def draft_ms(self, batch: int = 1, rows: int = 1) -> float:
+        """One drafter step over `rows` rows per sequence, `batch` sequences."""
+        if batch in self.by_batch:
+            c = self.by_batch[batch]
+            if rows == 1 or c.draft_step_ms_rows:
+                return _interpolate({1: c.draft_step_ms, **c.draft_step_ms_rows}, rows)
+            return c.draft_step_ms * self.verify_ms(batch * rows, batch) / self.verify_ms(batch, batch)
+        if rows > 1 and self.draft_step_ms_rows:  # measured over `rows` rows at batch 1; batches scale like the target
+            one = _interpolate({1: self.draft_step_ms, **self.draft_step_ms_rows}, rows)
+            return one * self.verify_ms(batch * rows) / self.verify_ms(rows)
+        return self.draft_step_ms * self.verify_ms(batch * rows) / self.verify_ms(1)  # scales like the target
+
+    def round_overhead(self, batch: int = 1) -> float:
+        c = self.by_batch.get(batch)
+        return c.round_overhead_ms if c is not None and c.round_overhead_ms is not None else self.round_overhead_ms
+
+    def plain_overhead(self, batch: int = 1) -> float:
+        c = self.by_batch.get(batch)
+        return c.plain_overhead_ms if c is not None and c.plain_overhead_ms is not None else self.plain_overhead_ms
 
 
 @dataclass
@@ -284,7 +337,8 @@ class RooflineCost:
         return self.compute_ms(tokens, batch, self.spec.bytes_read(tokens), self.spec.flops(tokens, self.context)) + \
             self.comm_ms(tokens, self.spec.num_layers)
 
-    def draft_ms(self, batch: int = 1) -> float:
+    def draft_ms(self, batch: int = 1, rows: int = 1) -> float:
+        batch = batch * rows  # a step over `rows` rows per sequence reads the weights once, like a bigger batch
         s = self.spec
         w = self.drafter_params * 2.0
         flops = 2.0 * self.drafter_params * batch + 4.0 * batch * self.context * s.attn_width

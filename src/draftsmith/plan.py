@@ -99,17 +99,26 @@ def _row(method: str, batch: int, e: float, step_ms: float, plain_ms: float, **e
 
 def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], batch_sizes: Sequence[int] = (1,),
             ks: Sequence[int] = KS, tree_budgets: Sequence[int] = TREE_BUDGETS,
-            ngram_accept: Union[float, Sequence[float], None] = None, ngram_ms: float = 0.0) -> dict:
+            ngram_accept: Union[float, Sequence[float], None] = None, ngram_ms: float = 0.0,
+            engine_trees: Sequence[tuple[int, int, int]] = (),
+            tree_accept: Union[float, Sequence[float], None] = None) -> dict:
     """Predicted tokens per step and speedup of EAGLE-3 chains (k in ks), trees (draft-token
     budgets) and n-gram lookup, per batch size. `cost` is a StepCost or measured step costs
-    ({"target_forward_ms": {"1": ms, ...}, "draft_step_ms": ms}). Every row is a sequence's view:
-    tokens_per_step per sequence, step_ms for the whole batch."""
+    ({"target_forward_ms": {"1": ms, ...}, "draft_step_ms": ms, optional "by_batch": {b: ...}}).
+    Every row is a sequence's view: tokens_per_step per sequence, step_ms for the whole batch.
+
+    `engine_trees` adds rows for the trees the engine actually drafts, (topk, depth, budget) as in
+    evaluate.tree_*: depth - 1 expansion steps of topk rows per sequence plus the committed-row feed,
+    one verify over budget + 1 rows. Their tokens per step come from `tree_accept` when given (a
+    tree's measured per-depth acceptance: E = 1 + sum_j prod_{i<=j} a_i, no model), else from the
+    sibling model of tree_tokens (an upper bound: it takes the r-th sibling to catch a share a(1-a)^(r-1),
+    independent of the first, where real siblings are correlated)."""
     if isinstance(cost, dict):
         cost = MeasuredCost.from_json(cost)
     rows = []
-    overhead = getattr(cost, "round_overhead_ms", 0.0)  # measured engine time per round (MeasuredCost)
     for b in batch_sizes:
-        plain = cost.verify_ms(b, b) + getattr(cost, "plain_overhead_ms", 0.0)
+        overhead = cost.round_overhead(b) if hasattr(cost, "round_overhead") else 0.0  # measured (MeasuredCost)
+        plain = cost.verify_ms(b, b) + (cost.plain_overhead(b) if hasattr(cost, "plain_overhead") else 0.0)
         draft = cost.draft_ms(b)
         for k in ks:
             e = expected_tokens(profile(accept, k))
@@ -117,9 +126,17 @@ def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], 
                              verified_tokens=k + 1))
         for n in tree_budgets:
             e, depth, width = tree_tokens(accept, n - 1)
-            # one drafter step per level, each over the widest level's rows
-            step = depth * cost.draft_ms(b * width) + cost.verify_ms(b * n, b) + overhead
+            # one drafter step per level, each over the widest level's rows per sequence
+            step = depth * cost.draft_ms(b, width) + cost.verify_ms(b * n, b) + overhead
             rows.append(_row("eagle3-tree", b, e, step, plain, budget=n, depth=depth, width=width, verified_tokens=n))
+        for topk, depth, budget in engine_trees:
+            if tree_accept is not None:
+                e, source = expected_tokens(profile(tree_accept, depth)), "measured tree acceptance"
+            else:
+                e, source = tree_tokens(accept, budget, max_depth=depth)[0], "sibling model (upper bound)"
+            step = (depth - 1) * cost.draft_ms(b, topk) + draft + cost.verify_ms(b * (budget + 1), b) + overhead
+            rows.append(_row("eagle3-tree-engine", b, e, step, plain, topk=topk, depth=depth, budget=budget,
+                             verified_tokens=budget + 1, tokens_source=source))
         if ngram_accept is not None:
             best = max((_row("ngram", b, expected_tokens(profile(ngram_accept, k)),
                              k * ngram_ms + cost.verify_ms(b * (k + 1), b) + overhead, plain, k=k, verified_tokens=k + 1)
@@ -181,29 +198,38 @@ class PlanConfig:
     """Print JSON instead of tables."""
 
 
-def _eval_metrics(run_dir: Path) -> tuple[Optional[list[float]], Optional[dict], Optional[str]]:
+def _eval_metrics(run_dir: Path) -> tuple[Optional[list[float]], Optional[dict], Optional[str], dict]:
+    """(chain acceptance per position, step costs, the manifest's path, the tree: its measured
+    acceptance per depth and shape (topk, depth, budget) where the run evaluated eagle3_tree)."""
     m = load_manifest(stage_dir(run_dir, "evaluate"))
     if not m or m.get("status") != "complete":
-        return None, None, None
+        return None, None, None, {}
     src = str(stage_dir(run_dir, "evaluate") / "manifest.json")
     sc = m.get("step_costs") or m.get("metrics", {}).get("step_costs")
-    return m.get("metrics", {}).get("accept_rate_per_position"), sc, src
+    tree = {}
+    rates = (m.get("metrics", {}).get("accept_rate_per_position_by_method") or {}).get("eagle3_tree")
+    c = m.get("config") or {}
+    if rates and all(c.get(k) for k in ("tree_topk", "tree_depth", "tree_budget")):
+        tree = {"accept": rates, "shape": (int(c["tree_topk"]), int(c["tree_depth"]), int(c["tree_budget"]))}
+    return m.get("metrics", {}).get("accept_rate_per_position"), sc, src, tree
 
 
 def plan(cfg: PlanConfig) -> dict:
     """Build the acceptance profile and the cost model from cfg; predict; say where each input came from."""
     sources: dict[str, str] = {}
-    accept, step_costs = None, None
+    accept, step_costs, tree = None, None, {}
     recipe = {}
     if cfg.run_dir:
         run = Path(cfg.run_dir)
         if (run / "recipe.yaml").exists():
             recipe = yaml.safe_load((run / "recipe.yaml").read_text()) or {}
-        accept, step_costs, src = _eval_metrics(run)
+        accept, step_costs, src, tree = _eval_metrics(run)
         if accept:
             sources["accept"] = f"{src}: metrics.accept_rate_per_position"
         if step_costs:
             sources["step_costs"] = f"{src}: step_costs"
+        if tree:
+            sources["tree_accept"] = f"{src}: metrics.accept_rate_per_position_by_method.eagle3_tree"
     target = cfg.target or (recipe.get("target") or {}).get("path")
     if cfg.step_costs:
         d = read_json(cfg.step_costs)
@@ -241,7 +267,8 @@ def plan(cfg: PlanConfig) -> dict:
                    plain_decode_ms={str(b): round(cost.verify_ms(b, b), 4) for b in cfg.batch_sizes},
                    comm_share={str(b): round(cost.comm_ms(b, spec.num_layers) / cost.verify_ms(b, b), 4)
                                for b in cfg.batch_sizes})
-    out.update(predict(accept, cost, cfg.batch_sizes, ngram_accept=cfg.ngram_alpha))
+    out.update(predict(accept, cost, cfg.batch_sizes, ngram_accept=cfg.ngram_alpha,
+                       engine_trees=[tree["shape"]] if tree else [], tree_accept=tree.get("accept")))
     return out
 
 
@@ -259,6 +286,7 @@ def to_table(result: dict) -> str:
         lines.append(f"  {'method':<14}{'verified':>9}{'tok/step':>10}{'step ms':>10}{'tok/s':>10}{'speedup':>9}")
         for r in (r for r in result["rows"] if r["batch"] == b):
             label = {"eagle3-chain": f"chain k={r.get('k')}", "eagle3-tree": f"tree {r.get('budget')}",
+                     "eagle3-tree-engine": f"tree {r.get('topk')}x{r.get('depth')}/{r.get('budget')}",
                      "ngram": f"n-gram k={r.get('k')}"}[r["method"]]
             lines.append(f"  {label:<14}{r['verified_tokens']:>9}{r['tokens_per_step']:>10.2f}{r['step_ms']:>10.2f}"
                          f"{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x")

@@ -5,81 +5,123 @@ decoding's speed as a fraction of the memory-bandwidth limit (costmodel.py's wei
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..costmodel import HARDWARE, MeasuredCost, target_spec
 from ..speculate.eagle3 import Eagle3Proposer
-from ..speculate.engine import EagerVerifier
+from ..speculate.verify import EagerVerifier, rows_of
 from .measure import EAGER_RUNNERS, DecodeRunners, timed
 
 STEP_COST_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
+BATCH_COST_TOKENS = (1, 2, 4, 8, 16, 32)
+"""Tokens per sequence the target's forward is timed over at batch sizes > 1 (chain k + 1, tree budget + 1)."""
+
+
+def _median_ms(target, fn, repeats: int) -> float:
+    fn()  # warm-up (and graph capture)
+    ts = sorted(timed(target, fn)[1] for _ in range(repeats))
+    return 1000 * ts[len(ts) // 2]
+
+
 @torch.inference_mode()
-def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
-    """Target forward time over n = 1..64 new tokens after `context` and the drafter's step time
-    over 1 row (chain) and 4 rows (a tree's width), on the decoding path the run measured (fast or
-    eager); medians, in ms. Each step's rows are dropped again (cache cropped / past unchanged)."""
+def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[int], widths: Sequence[int],
+              repeats: int, runners: DecodeRunners) -> tuple[dict, dict]:
+    """({n: target forward ms over n new tokens per sequence}, {r: drafter step ms over r rows per
+    sequence}) for `batch` copies of `context`, on the runners' path. Each step's rows are dropped again."""
     dev, C = target.device, len(context)
-    fast_target, fast_draft = runners.get(1)
+    fast_target, fast_draft = runners.get(batch)
     runner = fast_target or EagerVerifier(target)
-    ids = torch.tensor([context], device=dev)
-    out = runner.prefill(ids, torch.arange(C, device=dev)[None], torch.zeros(1, dtype=torch.long, device=dev),
-                         max_new_tokens=0, max_rows=max(STEP_COST_TOKENS) + 1)
-    start, end = torch.zeros(1, dtype=torch.long), torch.full((1,), C)  # verify takes host tensors
-
-    def median_ms(fn) -> float:
-        fn()  # warm-up (and graph capture)
-        ts = sorted(timed(target, fn)[1] for _ in range(repeats))
-        return 1000 * ts[len(ts) // 2]
-
+    ids = torch.tensor([context] * batch, device=dev)
+    pos = torch.arange(C, device=dev)[None].expand(batch, C)
+    out = runner.prefill(ids, pos, torch.zeros(batch, dtype=torch.long, device=dev),
+                         max_new_tokens=0, max_rows=max(tokens) + 1)
+    start, end = torch.zeros(batch, dtype=torch.long), torch.full((batch,), C)  # verify takes host tensors
     forward_ms = {}
-    for n in STEP_COST_TOKENS:
-        x = torch.tensor([context[-1:] * n])
-        pos = torch.arange(C, C + n)[None]
-        anc = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    for n in tokens:
+        x = torch.tensor([context[-1:] * n] * batch)
+        vpos = torch.arange(C, C + n)[None].expand(batch, n)
+        anc = torch.ones(n, n, dtype=torch.bool).tril()[None].expand(batch, n, n)
 
         def step():
-            runner.verify(x, pos, start, end, anc, n)
+            runner.verify(x, vpos, start, end, anc, n)
             runner.keep([], [], [], C)
-        forward_ms[str(n)] = median_ms(step)
+        forward_ms[str(n)] = _median_ms(target, step, repeats)
 
     prop = Eagle3Proposer(drafter, topk=1, budget=1, fast=fast_draft)
-    prop.start([context], [out])
-    row = {}
-    for width in (1, 4):
-        x = torch.tensor([context[-1:] * width], device=dev)
-        g = prop.g_last[:, None].expand(1, width, -1).contiguous()
-        pos = prop.rows[:, None].expand(1, width)
-        anc = torch.eye(width, dtype=torch.bool, device=dev)[None]
+    prop.start([context] * batch, [rows_of(out, b, torch.arange(C, device=dev)) for b in range(batch)])
+    draft_ms = {}
+    for width in widths:
+        x = torch.tensor([context[-1:] * width] * batch, device=dev)
+        g = prop.g_last[:, None].expand(batch, width, -1).contiguous()
+        dpos = prop.rows[:, None].expand(batch, width)
+        anc = torch.eye(width, dtype=torch.bool, device=dev)[None].expand(batch, width, width)
         L = prop.cache.length
 
         def dstep():
-            g2, logits = prop._step(x, g, pos, anc, L)
+            g2, logits = prop.step(x, g, dpos, anc, L)
             if logits is None:
                 drafter.logits(g2)
             prop.cache.crop(L)
-        row[width] = median_ms(dstep)
-    return {"context_tokens": C, "batch_size": 1, "device": str(dev), "dtype": str(target.dtype).replace("torch.", ""),
-            "path": runners.mode, "target_forward_ms": forward_ms, "draft_step_ms": row[1], "draft_step_ms_4_rows": row[4]}
+        draft_ms[width] = _median_ms(target, dstep, repeats)
+    return forward_ms, draft_ms
+
+
+@torch.inference_mode()
+def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, runners: DecodeRunners = EAGER_RUNNERS,
+                       batch_sizes: Sequence[int] = (), tree_topk: int = 4) -> dict:
+    """Target forward time over n = 1..64 new tokens after `context` and the drafter's step time
+    over 1 row (chain) and `tree_topk` rows (a tree's frontier), on the decoding path the run measured
+    (fast or eager); medians, in ms. At every batch size > 1 in `batch_sizes` the same is measured
+    for that many copies of the context (tokens per sequence up to 32): `by_batch`, which `plan`
+    uses at that batch size instead of scaling the batch-1 figures."""
+    widths = sorted({1, 4, tree_topk})
+    forward_ms, draft_ms = _costs_at(target, drafter, context, 1, STEP_COST_TOKENS, widths, repeats, runners)
+    out = {"context_tokens": len(context), "batch_size": 1, "device": str(target.device),
+           "dtype": str(target.dtype).replace("torch.", ""), "path": runners.mode, "target_forward_ms": forward_ms,
+           "draft_step_ms": draft_ms[1], "draft_step_ms_4_rows": draft_ms[4],
+           "draft_step_ms_rows": {str(w): ms for w, ms in draft_ms.items() if w > 1}}
+    by_batch = {}
+    for b in sorted({b for b in batch_sizes if b > 1}):
+        f, d = _costs_at(target, drafter, context, b, BATCH_COST_TOKENS, widths, repeats, runners)
+        by_batch[str(b)] = {"target_forward_ms": f, "draft_step_ms": d[1],
+                            "draft_step_ms_rows": {str(w): ms for w, ms in d.items() if w > 1}}
+    if by_batch:
+        out["by_batch"] = by_batch
+    return out
 
 
 def overheads(summary: dict, step_costs: dict, cfg) -> dict:
-    """The engine's time beyond the planner's cost model, from this run's batch-1 measurements:
+    """The engine's time beyond the planner's cost model, from this run's measurements:
     round_overhead_ms = chain ms per round - (k drafter steps + one (k+1)-token forward);
-    plain_overhead_ms = plain ms per token - one 1-token forward. (costmodel.MeasuredCost adds them.)"""
+    plain_overhead_ms = plain ms per step - one 1-token forward. At batch 1 from the per-prompt runs,
+    at every other batch size from its batches (a batch round: its longest sequence's rounds), written
+    into by_batch. (costmodel.MeasuredCost adds them.)"""
     cost = MeasuredCost.from_json(step_costs)
+    k = cfg.draft_steps
     out = {}
     p = summary["plain"]
     if p["new_tokens"]:
         out["plain_overhead_ms"] = round(1000 * p["plain_s"] / p["new_tokens"] - cost.verify_ms(1), 4)
     chain = summary["methods"].get("eagle3_chain", {}).get("overall")
     if chain and chain["rounds"]:
-        k = cfg.draft_steps
         out["round_overhead_ms"] = round(1000 * chain["spec_s"] / chain["rounds"]
                                          - (k * cost.draft_step_ms + cost.verify_ms(k + 1)), 4)
+    by_batch = {b: dict(c) for b, c in (step_costs.get("by_batch") or {}).items()}
+    for b, row in summary.get("batches", {}).items():
+        if b not in by_batch:
+            continue
+        B = int(b)
+        if row.get("plain_ms_per_step"):
+            by_batch[b]["plain_overhead_ms"] = round(row["plain_ms_per_step"] - cost.verify_ms(B, B), 4)
+        ms = row["methods"].get("eagle3_chain", {}).get("ms_per_round")
+        if ms:
+            by_batch[b]["round_overhead_ms"] = round(ms - (k * cost.draft_ms(B) + cost.verify_ms(B * (k + 1), B)), 4)
+    if by_batch:
+        out["by_batch"] = by_batch
     return out
 
 

@@ -11,9 +11,9 @@ from typing import Optional
 import torch
 
 from ..artifacts import DraftsmithError
-from ..speculate.eagle3 import Eagle3Proposer
+from ..speculate.eagle3 import Eagle3Proposer, FastDraft
 from ..speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
-from ..speculate.fast import FastDraft, FastTarget, choose_mode, fast_target_or_none
+from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
 from ..speculate.ngram import NgramProposer
 
 SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
@@ -215,10 +215,12 @@ def evaluate_batch(target, drafter, prompts: list[list[int]], references: list[l
                    salt: int, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
     """Plain and every method on one batch of prompts; outputs compared with the batch-1 plain ones."""
     plain, plain_s = run_plain(target, prompts, cfg, eos_ids, seeded_generator(target, cfg, salt), runners)
-    rec = {"batch_size": len(prompts), "plain_s": plain_s, "plain_new_tokens": sum(map(len, plain)), "methods": {}}
+    rec = {"batch_size": len(prompts), "plain_s": plain_s, "plain_new_tokens": sum(map(len, plain)),
+           "plain_steps": max(map(len, plain)), "methods": {}}  # steps of the batch: its longest sequence's
     for m in methods:
         new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, seeded_generator(target, cfg, salt), runners=runners)
         rec["methods"][m] = {"spec_s": s, "new_tokens": sum(map(len, new)), "rounds": sum(st.rounds for st in stats),
+                             "batch_rounds": max(st.rounds for st in stats),
                              "emitted": sum(sum(st.emitted_per_round) for st in stats),
                              "identical": sum(a == b for a, b in zip(new, references))}
     return rec

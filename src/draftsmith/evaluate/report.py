@@ -66,13 +66,15 @@ def summarize(records: list[dict], batch_records: list[dict], cfg, methods: list
     for B in sorted({r["batch_size"] for r in batch_records}):
         rs = [r for r in batch_records if r["batch_size"] == B]
         p_s, p_new = sum(r["plain_s"] for r in rs), sum(r["plain_new_tokens"] for r in rs)
-        row = {"batches": len(rs), "plain_tokens_per_s": ratio(p_new, p_s), "methods": {}}
+        row = {"batches": len(rs), "plain_tokens_per_s": ratio(p_new, p_s), "methods": {},
+               "plain_ms_per_step": ratio(1000 * p_s, sum(r.get("plain_steps", 0) for r in rs) or None)}
         for m in methods:
             ms = [r["methods"][m] for r in rs]
             s, new = sum(x["spec_s"] for x in ms), sum(x["new_tokens"] for x in ms)
             row["methods"][m] = {"tau": ratio(sum(x["emitted"] for x in ms), sum(x["rounds"] for x in ms)),
                                  "tokens_per_s": ratio(new, s), "speedup": ratio(p_s, s),
-                                 "identical": sum(x["identical"] for x in ms)}
+                                 "identical": sum(x["identical"] for x in ms),
+                                 "ms_per_round": ratio(1000 * s, sum(x.get("batch_rounds", 0) for x in ms) or None)}
         summary["batches"][str(B)] = row
     return summary
 

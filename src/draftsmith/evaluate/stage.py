@@ -160,8 +160,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     f"{m} speedup {fmt(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
             batch_records.append(rec)
 
-    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], runners=runners) \
-        if cfg.step_costs and rendered else None
+    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], runners=runners,
+                                    batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(rendered)],
+                                    tree_topk=cfg.tree_topk) if cfg.step_costs and rendered else None
     summary = summarize(records, batch_records, cfg, methods)
     if step_costs:
         step_costs.update(overheads(summary, step_costs, cfg))
@@ -186,6 +187,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         "accept_rate_per_position": summary["methods"][main]["per_position"]["accept_rate"] if main else [],
         "accept_rate_per_position_unconditional":
             summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
+        "accept_rate_per_position_by_method": {m: s["per_position"]["accept_rate"] for m, s in summary["methods"].items()
+                                               if "per_position" in s},
         "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
         "speedup": o.get("speedup"), "num_prompts": len(records), "draft_steps": cfg.draft_steps,
         "path": runners.mode,

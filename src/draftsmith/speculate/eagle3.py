@@ -11,16 +11,20 @@ proposes its top-k children. Of all nodes seen, the `budget` best by cumulative 
 form the tree (closed under ancestors, since log-probs only decrease along a path). A chain is
 topk=1, budget=depth. At temperature > 0 a chain samples its drafts and hands their distribution
 to rejection sampling; a tree keeps deterministic top-k nodes (verified as point masses).
+
+FastDraft (below) is the drafter's fast path: its static cache (cache.StaticDraftCache) and graphed
+steps, and the whole `expand` of a round as one graph. `expand`, `step` and `graph_step` are public:
+the resident round (resident.py) and evaluate's step costs call them.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..draft.model import DraftKVCache, Eagle3Drafter
-from .engine import DraftTree, move_rows, tree_mask
-from .fast import FastDraft, device_tree_mask, h2d
+from .cache import Graphed, StaticDraftCache, h2d, move_rows
+from .tree import DraftTree, device_tree_mask, tree_mask
 
 
 class Eagle3Proposer:
@@ -28,7 +32,7 @@ class Eagle3Proposer:
                  generator: Optional[torch.Generator] = None, fast: Optional[FastDraft] = None):
         self.drafter, self.topk, self.budget = drafter, topk, budget
         self.temperature, self.generator = temperature, generator
-        self.fast = fast  # static cache + graphed steps (speculate/fast.py); None = eager
+        self.fast = fast  # static cache + graphed steps (FastDraft below); None = eager
 
     @property
     def max_nodes(self) -> int:
@@ -75,7 +79,7 @@ class Eagle3Proposer:
         anc = (torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool)[None]
         past = self.cache.length
         pos = self.rows[:, None] + torch.arange(T, device=dev)[None]
-        g, _ = self._step(h2d(ids, dev), d.project(aux), pos, h2d(anc, dev), past)
+        g, _ = self.step(h2d(ids, dev), d.project(aux), pos, h2d(anc, dev), past)
         bs, src, dst = [], [], []
         for b in range(B):
             if n[b]:
@@ -93,7 +97,7 @@ class Eagle3Proposer:
         self.rows = self.rows + n_t
         move_rows(self.cache, bs, src, dst, max(self.end_host))
 
-    def _step(self, ids, hidden, pos, anc, mask_past: int):
+    def step(self, ids, hidden, pos, anc, mask_past: int):
         """One drafter forward over rows written behind the cache's rows; they see the committed
         columns (mask_past of them) and the drafting columns after them where anc says.
         Returns (g, logits or None)."""
@@ -117,7 +121,7 @@ class Eagle3Proposer:
         ids = d.draft_to_target(torch.arange(q_draft.shape[-1], device=q_draft.device))
         return q.index_copy_(-1, ids, q_draft.float())
 
-    def _expand(self, K: int, D: int, sampled: bool, step, g_last: torch.Tensor, rows: torch.Tensor):
+    def expand(self, K: int, D: int, sampled: bool, step, g_last: torch.Tensor, rows: torch.Tensor):
         """EAGLE-2 expansion to depth D: (toks, scores, parents) [B, n_cand] over every candidate in
         creation order (parents first), and q_all [B, n_cand, V] when sampling. `step(tok, hidden,
         pos, anc, fed)` is one drafter forward whose rows go behind the `fed` drafting rows already
@@ -166,7 +170,7 @@ class Eagle3Proposer:
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), q_all
 
     def graph_step(self, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor):
-        """A `step` for `_expand` on the static cache with no host values: the mask is built on the
+        """A `step` for `expand` on the static cache with no host values: the mask is built on the
         device from start/end/past (a 0-d tensor) and the rows are written at past + fed."""
         c, d = self.cache, self.drafter
         cols = torch.arange(c.size, device=past.device)
@@ -195,8 +199,8 @@ class Eagle3Proposer:
             q_all = None
         else:
             def step(tok, hidden, pos, anc, fed):
-                return self._step(tok, hidden, pos, anc, past)
-            toks, scores, parents, q_all = self._expand(K, D, sampled, step, self.g_last, self.rows)
+                return self.step(tok, hidden, pos, anc, past)
+            toks, scores, parents, q_all = self.expand(K, D, sampled, step, self.g_last, self.rows)
         self.cache.crop(past)  # drop the drafting rows
         depths = [1] + list(range(2, D + 1))
         n_cand = K + (D - 1) * K * K
@@ -216,3 +220,58 @@ class Eagle3Proposer:
             trees.append(DraftTree([toks[b][i] for i in order], [at[parents[b][i]] if parents[b][i] >= 0 else -1 for i in order],
                                    [q_all[b, i] for i in order] if sampled else None))
         return trees
+
+
+# ----------------------------------------------------------------------------- the drafter's fast path
+
+
+class FastDraft:
+    """A drafter's static cache and its graphed step, reused across generations (re-made when
+    the batch size changes or the sequence outgrows it)."""
+
+    def __init__(self, drafter: Any, graphs: bool, max_rows: int = 64):
+        self.drafter, self.graphs, self.max_rows = drafter, graphs, max_rows
+        self.cache: Optional[StaticDraftCache] = None
+        self.step = Graphed(self._step, graphs, max_rows)
+        self.expansions: dict[tuple, Graphed] = {}
+        self.resident: dict[tuple, Any] = {}  # resident.Resident per (batch, shape), holding its round's graph
+
+    def reset(self, batch_size: int, needed: int) -> StaticDraftCache:
+        """An empty cache for a new generation (the old buffers when they are big enough)."""
+        c = self.cache
+        if c is None or c.k.shape[0] != batch_size or c.size <= needed:
+            self._new(batch_size, needed)
+        self.cache.length = 0
+        return self.cache
+
+    def grow(self, cache: StaticDraftCache, needed: int) -> StaticDraftCache:
+        """A bigger cache holding the same rows (graphs are re-captured for its new size)."""
+        old = cache
+        self._new(old.k.shape[0], max(needed, 2 * old.size))
+        self.cache.k[:, :, :old.size] = old.k
+        self.cache.v[:, :, :old.size] = old.v
+        self.cache.length = old.length
+        return self.cache
+
+    def _new(self, batch_size: int, needed: int) -> None:
+        cfg, w = self.drafter.cfg, self.drafter.fc.weight
+        S = -(-(needed + 256) // 256) * 256
+        self.cache = StaticDraftCache(batch_size, S, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
+        self.step = Graphed(self._step, self.graphs, self.max_rows)
+        self.expansions: dict[tuple, Graphed] = {}
+
+    def expansion(self, proposer: Any, K: int, D: int) -> Graphed:
+        """The proposer's whole top-K expansion to depth D (every drafter step, top-k and frontier
+        choice) as one graphed call: (g_last, rows, start, end, past) -> (toks, scores, parents)."""
+        if (K, D) not in self.expansions:
+            def fn(g_last, rows, start, end, past):
+                toks, scores, parents, _ = proposer.expand(K, D, False, proposer.graph_step(start, end, past),
+                                                            g_last, rows)
+                return toks, scores, parents
+            self.expansions[(K, D)] = Graphed(fn, self.graphs)
+        return self.expansions[(K, D)]
+
+    def _step(self, ids, hidden, pos, mask, write_at):
+        self.cache.write_at.copy_(write_at)
+        g = self.drafter(ids, hidden, pos, self.cache, attn_mask=mask)
+        return g, self.drafter.logits(g)

@@ -9,8 +9,7 @@ buffers) and each forward is replayed as one CUDA graph.
                       the engine's tree mask (one graph per N), `keep` moves the accepted rows
                       (one graph), `plain` is the whole plain decoding loop with the next token fed
                       back on the GPU (one graph; the host looks at the tokens every few steps).
-    StaticDraftCache  the drafter's KV cache, preallocated (Eagle3Proposer graphs its steps).
-    Graphed           fn(*tensors) replayed through one CUDA graph per input shape.
+(The drafter's side, StaticDraftCache and FastDraft, lives in cache.py and eagle3.py; Graphed in cache.py.)
 
 Modes (`evaluate.fast`): off = eager, transformers' DynamicCache; static = static caches without
 graphs (what a CPU runs; the tests); graphs = static + CUDA graphs; compile = graphs around a
@@ -20,12 +19,14 @@ the mask hides every other column, so the cache is never cropped or re-allocated
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..artifacts import DraftsmithError, log
 from ..target.model import Target, TargetOutput
+from .cache import Graphed, additive, capture, copy_columns, h2d
+from .tree import device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
 
@@ -68,110 +69,6 @@ def fast_target_or_none(target: Target, mode: str, requested: str, key: str, fal
             raise
         log(f"[{key.split('.')[0]}] fast path unavailable ({e}); {fallback}")
         return None
-
-
-def h2d(x: Any, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A host value (tensor, list or number) on `device` without a stream sync: a blocking
-    host-to-device copy waits for every kernel queued before it, so the host could never run
-    ahead of the GPU. From pageable memory the data is staged before the call returns, so the
-    host tensor may be freed at once."""
-    t = torch.as_tensor(x, dtype=dtype)
-    return t.to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
-
-
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool [B, N, S] -> HF 4D additive float mask [B, 1, N, S] (works for eager and sdpa)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[:, None]
-
-
-def pick_on_device(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, V] -> [B] next tokens without leaving the GPU: argmax, or a sample from softmax(l / T)
-    by the exponential race (argmax p / E, E ~ Exp(1)), which needs no host sync."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    p = torch.softmax(logits.float() / temperature, -1)
-    return (p / torch.empty_like(p).exponential_()).argmax(-1)
-
-
-def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dict[str, torch.Tensor]] = None):
-    """Run fn(*args) once for real on a side stream (lazy allocations, kernel selection,
-    compilation), then capture one call into a CUDA graph. `state`: tensors fn advances in place
-    (a decoding step's counters); the warm-up's changes to them are undone, also when it fails.
-    Returns (graph, the captured call's outputs); replay the graph to compute."""
-    saved = {k: v.clone() for k, v in (state or {}).items()}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(side):
-            fn(*args)
-    finally:
-        torch.cuda.current_stream().wait_stream(side)
-        for k, v in saved.items():
-            state[k].copy_(v)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*args)
-    return graph, out
-
-
-def copy_columns(tensors: Sequence[torch.Tensor], b, src, dst) -> None:
-    """KV-cache columns src -> dst of batch rows b (index tensors of one length), in every [B, heads,
-    S, d] tensor; all sources are read before any is written. Graph-safe with device indices."""
-    for t in tensors:
-        t[b, :, dst] = t[b, :, src]
-
-
-def device_tree_mask(cols: torch.Tensor, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor,
-                     anc: torch.Tensor) -> torch.Tensor:
-    """engine.tree_mask built on the device from device values only (graph-safe): bool [B, N, S]
-    over a static cache's columns `cols` (arange(S)); `past` is a 0-d tensor."""
-    B, N, M = anc.shape
-    committed = (cols >= start[:, None]) & (cols < end[:, None])
-    mask = committed[:, None, :].expand(B, N, cols.shape[0]).clone()
-    mask.index_copy_(2, past + torch.arange(M, device=anc.device), anc)
-    return mask
-
-
-class Graphed:
-    """Call fn(*tensors) -> tensors, through a CUDA graph captured on the first call per input
-    shape (inputs are copied into the graph's static buffers, outputs are the graph's own and
-    are overwritten by the next call of that shape). fn must be idempotent for equal inputs: the
-    capture runs it once for real first. Calls whose row count (dim 1 of the first input)
-    exceeds `max_rows`, and every call when disabled, run fn eagerly."""
-
-    def __init__(self, fn: Callable, enabled: bool, max_rows: int = 1 << 30):
-        self.fn, self.enabled, self.max_rows = fn, enabled, max_rows
-        self.graphs: dict[tuple, tuple] = {}
-
-    def __call__(self, *xs: torch.Tensor):
-        if not self.enabled or (xs[0].dim() > 1 and xs[0].shape[1] > self.max_rows):
-            return self.fn(*xs)
-        key = tuple((tuple(x.shape), x.dtype) for x in xs)
-        entry = self.graphs.get(key, False)
-        if entry is False:
-            try:
-                return self._capture(key, xs)
-            except Exception as e:  # fn cannot be captured: run it eagerly from now on (a real error recurs there)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                log(f"[fast] CUDA graph capture of {getattr(self.fn, '__qualname__', self.fn)} failed "
-                    f"({str(e).splitlines()[0][:160]}); that call runs eagerly")
-                self.graphs[key] = None
-                return self.fn(*xs)
-        if entry is None:  # capture failed before
-            return self.fn(*xs)
-        static_in, graph, out = entry
-        for s, x in zip(static_in, xs):
-            s.copy_(x, non_blocking=True)
-        graph.replay()
-        return out
-
-    def _capture(self, key: tuple, xs: Sequence[torch.Tensor]):
-        static_in = [x.clone() for x in xs]
-        graph, out = capture(self.fn, static_in)
-        graph.replay()
-        self.graphs[key] = (static_in, graph, out)
-        return out
 
 
 # ----------------------------------------------------------------------------- target
@@ -227,8 +124,9 @@ def compile_regions(model: torch.nn.Module) -> int:
 
 
 class FastTarget:
-    """The target over a static KV cache, optionally CUDA-graphed. Same interface as the
-    engine's EagerVerifier: prefill, verify, keep, past."""
+    """The target over a static KV cache, optionally CUDA-graphed. Same interface as
+    verify.EagerVerifier (prefill, verify, keep, past: host tensors in, what the host loop calls), plus
+    the graph-safe pieces the resident round calls inside its own graph: verify_rows, move_columns."""
 
     def __init__(self, target: Target, mode: str = "graphs", batch_size: int = 1, max_len: int = 2048,
                  key: str = "evaluate.fast"):
@@ -261,8 +159,8 @@ class FastTarget:
         self.B, self.S = batch_size, S
         self.reallocations += 1
         self.cols = torch.arange(S, device=self.device)
-        self.verify_g = Graphed(self._verify, self.graphs)
-        self.keep_g = Graphed(self._keep, self.graphs)
+        self.verify_g = Graphed(self.verify_rows, self.graphs)
+        self.keep_g = Graphed(self.move_columns, self.graphs)
         self.plain_graph = None
         self.past = 0
 
@@ -276,11 +174,15 @@ class FastTarget:
                                   position_ids=pos, use_cache=True)
         return out.logits, out.aux_hidden, out.final_hidden
 
-    def _verify(self, ids, pos, past, start, end, anc):
+    def verify_rows(self, ids, pos, past, start, end, anc):
+        """The verify forward from device tensors only (graph-safe; `verify` graphs it, resident rounds
+        call it inside theirs): [B, N] rows written at `past` (0-d), each seeing its sequence's columns
+        [start_b, end_b) and the new rows anc allows. Returns (logits, aux_hidden, final_hidden)."""
         anc = anc.bool()  # sent as int64 with the other inputs
         return self.fn(ids, pos, past, device_tree_mask(self.cols, start, end, past, anc))
 
-    def _keep(self, b, src, dst):
+    def move_columns(self, b, src, dst):
+        """Cache columns src -> dst of batch rows b in every layer (device index tensors; graph-safe)."""
         copy_columns([t for layer in self.cache.layers for t in (layer.keys, layer.values)], b, src, dst)
         return ()
 
@@ -289,8 +191,6 @@ class FastTarget:
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor, max_new_tokens: int,
                 max_rows: int = 1) -> TargetOutput:
         """Left-padded prompts [B, P] into columns [0, P) (eager: prompt lengths vary)."""
-        from .engine import prefill_mask
-
         B, P = ids.shape
         self.ensure(B, P + max_new_tokens + max_rows)
         mask = torch.zeros(B, P, self.S, dtype=torch.bool, device=ids.device)
@@ -339,8 +239,6 @@ class FastTarget:
               temperature: float = 0.0, check_every: int = 8) -> list[list[int]]:
         """Plain decoding of a (left-padded) batch, one target forward per token, the token fed
         back on the device; the host reads the tokens every `check_every` steps to stop at EOS."""
-        from .engine import _first_eos, left_pad
-
         ids, pad, pos = left_pad(prompts, self.device)
         B, P = ids.shape
         out = self.prefill(ids, pos, pad, max_new_tokens)
@@ -365,7 +263,7 @@ class FastTarget:
         if got is None:  # a single new token: no step ran
             got = st["buf"][:, :1].tolist()
         self.past = P + n
-        return [g[:_first_eos(g, eos_ids)][:max_new_tokens] for g in got]
+        return [g[:first_eos(g, eos_ids)][:max_new_tokens] for g in got]
 
     def _plain_state(self) -> dict:
         if getattr(self, "_state_for", None) != (self.B, self.S):
@@ -400,86 +298,3 @@ class FastTarget:
             graph, _ = capture(step, state=st)  # the warm-up step's advance is undone
             self.plain_graph = (key, graph)
         return self.plain_graph[1].replay
-
-
-# ----------------------------------------------------------------------------- drafter
-
-
-class StaticDraftCache:
-    """The drafter's KV cache, preallocated [B, nkv, S, hd]; `append` writes the new rows at
-    column `write_at` (a device scalar, so a graph can replay it) and returns the whole buffers;
-    the caller's mask hides the columns it must not see. `length` is the host's bookkeeping."""
-
-    static = True
-
-    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device):
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.write_at = torch.zeros((), dtype=torch.long, device=device)
-        self.length = 0
-
-    @property
-    def size(self) -> int:
-        return self.k.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        idx = self.write_at + torch.arange(k.shape[2], device=k.device)
-        self.k.index_copy_(2, idx, k)
-        self.v.index_copy_(2, idx, v)
-        return self.k, self.v
-
-    def crop(self, n: int) -> None:
-        self.length = n
-
-
-class FastDraft:
-    """A drafter's static cache and its graphed step, reused across generations (re-made when
-    the batch size changes or the sequence outgrows it)."""
-
-    def __init__(self, drafter: Any, graphs: bool, max_rows: int = 64):
-        self.drafter, self.graphs, self.max_rows = drafter, graphs, max_rows
-        self.cache: Optional[StaticDraftCache] = None
-        self.step = Graphed(self._step, graphs, max_rows)
-        self.expansions: dict[tuple, Graphed] = {}
-        self.resident: dict[tuple, Any] = {}  # resident.Resident per (batch, shape), holding its round's graph
-
-    def reset(self, batch_size: int, needed: int) -> StaticDraftCache:
-        """An empty cache for a new generation (the old buffers when they are big enough)."""
-        c = self.cache
-        if c is None or c.k.shape[0] != batch_size or c.size <= needed:
-            self._new(batch_size, needed)
-        self.cache.length = 0
-        return self.cache
-
-    def grow(self, cache: StaticDraftCache, needed: int) -> StaticDraftCache:
-        """A bigger cache holding the same rows (graphs are re-captured for its new size)."""
-        old = cache
-        self._new(old.k.shape[0], max(needed, 2 * old.size))
-        self.cache.k[:, :, :old.size] = old.k
-        self.cache.v[:, :, :old.size] = old.v
-        self.cache.length = old.length
-        return self.cache
-
-    def _new(self, batch_size: int, needed: int) -> None:
-        cfg, w = self.drafter.cfg, self.drafter.fc.weight
-        S = -(-(needed + 256) // 256) * 256
-        self.cache = StaticDraftCache(batch_size, S, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
-        self.step = Graphed(self._step, self.graphs, self.max_rows)
-        self.expansions: dict[tuple, Graphed] = {}
-
-    def expansion(self, proposer: Any, K: int, D: int) -> Graphed:
-        """The proposer's whole top-K expansion to depth D (every drafter step, top-k and frontier
-        choice) as one graphed call: (g_last, rows, start, end, past) -> (toks, scores, parents)."""
-        if (K, D) not in self.expansions:
-            def fn(g_last, rows, start, end, past):
-                toks, scores, parents, _ = proposer._expand(K, D, False, proposer.graph_step(start, end, past),
-                                                            g_last, rows)
-                return toks, scores, parents
-            self.expansions[(K, D)] = Graphed(fn, self.graphs)
-        return self.expansions[(K, D)]
-
-    def _step(self, ids, hidden, pos, mask, write_at):
-        self.cache.write_at.copy_(write_at)
-        g = self.drafter(ids, hidden, pos, self.cache, attn_mask=mask)
-        return g, self.drafter.logits(g)

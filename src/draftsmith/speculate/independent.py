@@ -18,7 +18,8 @@ import torch
 
 from ..compat import require_compatible_tokenizers
 from ..target.model import TargetOutput, load_tokenizer, resolve_device, resolve_dtype
-from .engine import crop_cache
+from .cache import crop_cache
+from .tree import DraftTree
 
 
 class IndependentDraftProposer:
@@ -83,9 +84,7 @@ class IndependentDraftProposer:
         return drafts
 
     def propose_tree(self, depth: int):
-        """A chain, with the draft distributions when sampling (engine.DraftTree)."""
-        from .engine import DraftTree
-
+        """A chain, with the draft distributions when sampling (tree.DraftTree)."""
         drafts = self.propose(depth)
         q = list(self.draft_probs) if self.draft_probs is not None and drafts else None
         return DraftTree.chain(drafts, q)

@@ -5,7 +5,7 @@ to the host, builds the tree and the verify inputs there and walks the acceptanc
 syncs and a few milliseconds of Python per round, during which the GPU idles (profile_rounds:
 ~40 % of every round on the H200). Here the same round is written in tensor ops only:
 
-    expand     the proposer's EAGLE-2 expansion (its own graph-safe `_expand`)
+    expand     the proposer's EAGLE-2 expansion (its own graph-safe `expand`)
     select     the `budget` best candidates by cumulative log-prob, within each sequence's depth
                limit (stable sort: ties go to the earlier candidate, as the host's sort does, so
                the set is closed under ancestors), renumbered in creation order
@@ -29,13 +29,15 @@ from typing import Sequence
 import torch
 
 from ..artifacts import log
-from .fast import FastTarget, capture, copy_columns, device_tree_mask, h2d
+from .cache import capture, copy_columns, h2d
+from .eagle3 import Eagle3Proposer
+from .fast import FastTarget
+from .tree import SpecStats, device_tree_mask, left_pad
+from .verify import rows_of
 
 
 def eligible(fast, proposer, temperature: float) -> bool:
     """The resident path runs greedy EAGLE-3 proposals on a FastTarget with a FastDraft."""
-    from .eagle3 import Eagle3Proposer
-
     return (fast is not None and temperature <= 0 and isinstance(proposer, Eagle3Proposer)
             and proposer.fast is not None)
 
@@ -87,7 +89,7 @@ class Resident:
 
         # expand (drafting rows after the drafter's committed columns; dropped after the round)
         d_past = st["d_end"].max()
-        toks, scores, parents, _ = prop._expand(K, D, False, prop.graph_step(st["d_start"], st["d_end"], d_past),
+        toks, scores, parents, _ = prop.expand(K, D, False, prop.graph_step(st["d_start"], st["d_end"], d_past),
                                                 st["g_last"], st["d_rows"])
         # select the best M candidates of allowed depth, then put them in creation order
         ok = self.depth_c[None] <= max_depth[:, None]
@@ -116,7 +118,7 @@ class Resident:
         anc = anc & (row_valid[:, :, None] | self.eye)                       # padding rows see only themselves
         past = st["t_end"].max()
         pos = (st["t_end"] - st["t_start"])[:, None] + depth_r
-        logits, aux, _ = ft._verify(ids, pos, past, st["t_start"], st["t_end"], anc)
+        logits, aux, _ = ft.verify_rows(ids, pos, past, st["t_start"], st["t_end"], anc)
 
         # accept (greedy) along the tree
         greedy = logits.argmax(-1)                                             # [B, N]
@@ -156,7 +158,7 @@ class Resident:
         spare = ft.S - 1
         src = torch.where(mv, (past + path).reshape(-1), spare)
         dst = torch.where(mv, (st["t_end"][:, None] + self.ar_T).reshape(-1), spare)
-        ft._keep(self.b_idx, src, dst)
+        ft.move_columns(self.b_idx, src, dst)
         st["t_end"] += torch.where(active, n_com, 0)
         st["last"].copy_(torch.where(active, committed.gather(1, n_acc[:, None])[:, 0], st["last"]))
 
@@ -254,8 +256,6 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
                       eos_ids: Sequence[int], fast: FastTarget):
     """`engine.generate` for greedy EAGLE-3 on the fast path, every round on the device. Same
     returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one graph does both)."""
-    from .engine import SpecStats, _rows, left_pad
-
     B, dev = len(prompts), target.device
     t_start = time.perf_counter()
     ids, pad, pos = left_pad(prompts, dev)
@@ -263,7 +263,7 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     out = fast.prefill(ids, pos, pad, max_new_tokens, 1 + proposer.max_nodes)
     first, pad_h = out.logits[:, -1].argmax(-1).tolist(), pad.tolist()
     tokens = [list(p) + [f] for p, f in zip(prompts, first)]
-    proposer.start(tokens, [_rows(out, b, torch.arange(pad_h[b], P, device=dev)) for b in range(B)])
+    proposer.start(tokens, [rows_of(out, b, torch.arange(pad_h[b], P, device=dev)) for b in range(B)])
     needed = P + max_new_tokens + depth * proposer.topk + depth + 2
     if proposer.cache.size <= needed:
         proposer.cache = proposer.fast.grow(proposer.cache, needed)

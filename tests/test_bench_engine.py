@@ -1,0 +1,93 @@
+"""benchmarks/bench_engine.py end to end on the CPU (tiny dims, static caches): it writes every key
+the H200 collector reads, efficiencies are finite and positive, and the oracle really makes the
+set τ happen (measured τ equals what τ gives under the token budget, every round accepting τ - 1)."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_engine  # noqa: E402
+
+
+@pytest.mark.parametrize("tau", [3])
+def test_bench_engine_small(tmp_path, tau):
+    out = tmp_path / "engine.json"
+    assert bench_engine.main(["--small", "--out", str(out), "--batch_sizes", "1", "2", "--repeats", "1",
+                              "--tau", str(tau), "--max_new_tokens", "20"]) == 0
+    d = json.loads(out.read_text())
+    for B in (1, 2):
+        for m in ("chain", "tree"):
+            for suffix in ("", "_host"):
+                e = d[f"engine_eff_small_bs{B}_{m}{suffix}"]
+                assert math.isfinite(e) and e > 0
+        assert 0 < d[f"plain_bw_fraction_small_bs{B}"] < 1
+    assert d["drafter_step_over_target_small"] > 0
+    assert math.isfinite(d["planner_max_abs_err_pct"])
+    assert not d["skipped"]
+    rounds_needed = math.ceil(19 / tau)  # 20 new tokens: the prefill's, then tau per round
+    for row in d["runs"].values():
+        for by_loop in row["methods"].values():
+            for r in by_loop.values():
+                assert r["tau"] == pytest.approx(19 / rounds_needed, abs=1e-3) == pytest.approx(d["tau_expected"], abs=1e-3)
+                assert r["accept_per_position"] == [1.0] * (tau - 1) + [0.0] * (5 - tau + 1)
+                assert r["equal_to_plain"].split("/")[0] == r["equal_to_plain"].split("/")[1]  # lossless
+                assert math.isfinite(r["planner"]["err_pct"])
+
+
+def test_oracle_tree_layout():
+    """The oracle's tree: the true token on the first-child path down to depth tau - 1, everything
+    else wrong, parents before children, scores falling along every path."""
+    import torch
+
+    table = torch.arange(100).repeat(2, 1)
+    rows = torch.tensor([3, 10])
+    K, D, tau = 3, 4, 3
+    toks, scores, parents = bench_engine.oracle_tree(table, rows, K, D, tau, 512)
+    assert toks.shape == scores.shape == parents.shape == (2, K + (D - 1) * K * K)
+    for b in range(2):
+        path, node = [], 0  # the first-child path: candidate 0, then the first of each next block
+        start = K
+        for depth in range(1, D + 1):
+            path.append(int(toks[b, node]))
+            if depth < D:
+                assert int(parents[b, start]) == node
+                node, start = start, start + K * K
+        r = int(rows[b])
+        assert path[:tau - 1] == [r + d for d in range(1, tau)]
+        assert all(t != r + d for d, t in enumerate(path, 1) if d >= tau)
+        for i in range(toks.shape[1]):
+            p = int(parents[b, i])
+            assert p < i and (p < 0 or scores[b, i] < scores[b, p])
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_oracle_pays_the_drafting_cost(resident):
+    """The oracle replaces the drafter's outputs, not its work: every round runs the drafter's D - 1
+    expansion steps (and the committed-row feed), host loop and resident round alike."""
+    import torch
+
+    from draftsmith.speculate.engine import generate
+    from draftsmith.speculate.eagle3 import FastDraft
+    from draftsmith.speculate.fast import FastTarget
+
+    dims = bench_engine.CONFIGS["small"]
+    target = bench_engine.build_target(dims, torch.device("cpu"), torch.float32, 0)
+    drafter = bench_engine.build_drafter(target, dims, 1)
+    calls = []
+    forward = drafter.forward
+    drafter.forward = lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k)
+    ft = FastTarget(target, "static")
+    prompt = [5, 6, 7, 8]
+    ref = ft.plain([prompt], 16)[0]
+    table = torch.zeros(1, 40, dtype=torch.long)
+    bench_engine.fill(table, [prompt + ref])
+    prop = bench_engine.OracleEagle(drafter, table, 3, target.vocab_size, topk=2, budget=6, fast=FastDraft(drafter, False))
+    new, [st] = generate(target, prop, [prompt], 16, depth=4, fast=ft, resident=resident)
+    assert new == [ref] and st.accepted_per_round[:-1] == [2] * (st.rounds - 1)
+    expansion_steps = sum(1 for s in calls if s[1] == 2)  # K = 2 frontier rows per step
+    assert expansion_steps >= 3 * (st.rounds - 1)  # D - 1 = 3 steps every round (the last is cut by the budget)
