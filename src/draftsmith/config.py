@@ -15,7 +15,7 @@ import textwrap
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
@@ -225,11 +225,18 @@ class TrainConfig:
     packed batches and flex attention (fixed shapes: one compile, paid in the first steps); off
     otherwise (the chunked kernel does not trace, padded shapes would recompile, and compiling
     on a CPU takes minutes)."""
-    heldout_samples: int = 0
-    """Capture samples held out of training for evaluation (simulated acceptance length)."""
-    eval_every: int = 0
-    """Evaluate on the held-out samples every N steps (and at the end); keeps the best drafter in
-    train/best/. 0: only at the end."""
+    heldout_samples: Union[int, Literal["auto"]] = "auto"
+    """Samples held out of training to measure the drafter on data it never saw: whole
+    conversations, chosen by the seed, so no conversation is on both sides. auto = min(256, 5 %
+    of the samples, rounded down); 0 = none (no held-out figures, the last step's drafter is the
+    drafter)."""
+    eval_every: Union[int, Literal["auto"]] = "auto"
+    """Evaluate on the held-out samples every N steps (and at the end): teacher-forced accuracy
+    per TTT position, its simulated tau, the learning curve (train/learning_curve.png) and an
+    OVERFITTING line in the log when the held-out figure falls while the training figure rises.
+    The best drafter by held-out simulated tau is kept in train/best/ and becomes train/drafter/
+    (what evaluate and export use); the last step's is train/last/. auto = about 10 evaluations
+    per run; 0 = only at the end."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
     head_init: Literal["random", "target"] = "target"

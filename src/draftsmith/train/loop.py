@@ -4,10 +4,17 @@ Reads capture/ (hidden-state shards; online mode: data/ token shards, see below)
 embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/step-NNNNNN/{state/*.safetensors,meta.json}, train/latest   (checkpoint.py, DCP)
     train/metrics.jsonl     one record per optimizer step (loss, CE/acc per TTT position, lr, grad norm)
-    train/eval.jsonl        held-out evaluations (simulated acceptance length per eval)
+    train/eval.jsonl        held-out evaluations (heldout.py: accuracy per position, simulated tau, train figures)
+    train/learning_curve.png  held-out and train simulated tau against tokens seen (rewritten at every eval)
     train/tensorboard/      the same as TensorBoard scalars, plus tokens/s, MFU, peak memory
-    train/best/             the drafter with the best held-out simulated tau (when heldout_samples > 0)
-    train/drafter/          the final drafter (config.json + model.safetensors, draft/io.py's save_drafter)
+    train/best/             the drafter with the best held-out simulated tau so far, best.json its record
+    train/drafter/          THE drafter, what evaluate and export read (config.json + model.safetensors,
+                            draft/io.py's save_drafter): with held-out samples, a copy of best/ at the
+                            end; without, the last step's
+    train/last/             the last step's drafter (with held-out samples only)
+Held-out samples (train.heldout_samples, default auto) are whole conversations (heldout.py);
+the manifest's metrics.heldout record (best and last held-out figures, still_improving,
+overfitting) is what `status` shows and reasons from.
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
 A micro-batch is packed by default (train.batch_layout; train/data.py): whole samples end to
 end in one fixed [1, micro_batch_tokens] row, so every forward has the same shape. A step takes
@@ -52,8 +59,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
-                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage,
+from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
+                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, sha256_file, stage_dir, to_jsonable, token_stage,
                          verify_shards, write_manifest)
 from ..config import Recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
@@ -68,12 +75,14 @@ from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .flops import peak_flops, train_flops_per_token
+from .heldout import best_of, eval_interval, heldout_count, heldout_record, overfitting, plot_learning_curve, split_by_conversation
 from .ttt import TTTLoss, position_weights, simulated_tau
 
 MAX_NONFINITE_IN_A_ROW = 10
 ADAM_BETAS = (0.9, 0.95)
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+CURVE_FILE = "learning_curve.png"
 
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
@@ -144,16 +153,6 @@ def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size
     return micro, per_step
 
 
-def heldout_split(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]]:
-    """(training sample ids, held-out sample ids): the held-out ones are the first of a seeded permutation."""
-    if heldout <= 0:
-        return list(range(n)), []
-    if heldout >= n:
-        raise DraftsmithError(f"train: heldout_samples {heldout} leaves nothing to train on ({n} samples); lower it")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 7919 + 17)).tolist()
-    return sorted(order[heldout:]), sorted(order[:heldout])
-
-
 def _fmt_s(s: float) -> str:
     s = int(max(0, s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -203,6 +202,16 @@ def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | Non
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return sha
+
+
+def _copy_drafter_atomic(src: Path, folder: Path) -> str:
+    """Copy a drafter folder into place atomically; returns its model.safetensors' sha256."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return sha256_file(folder / "model.safetensors")
 
 
 def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
@@ -347,6 +356,7 @@ class Progress:
     skipped: int = 0  # non-finite steps so far
     in_a_row: int = 0
     best_tau: float | None = None  # best held-out simulated tau so far
+    tokens_seen: int = 0  # training tokens of the steps so far (real tokens, no padding)
 
 
 def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: DistInfo) -> tuple[Progress, list[dict]]:
@@ -356,8 +366,10 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
     metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
     if latest is None:
         if info.is_main:
-            metrics_path.unlink(missing_ok=True)
-            eval_path.unlink(missing_ok=True)
+            for path in (metrics_path, eval_path, out_dir / CURVE_FILE):
+                path.unlink(missing_ok=True)
+            for folder in ("best", "last"):  # a best drafter of an earlier run must not become this run's
+                shutil.rmtree(out_dir / folder, ignore_errors=True)
         return Progress(), []
     meta = load_checkpoint(latest, tr.model, tr.opts, tr.names)
     if meta.get("fingerprint") != fp:
@@ -371,6 +383,12 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
         kept[path] = [r for r in read_jsonl(path) if r["step"] <= prog.step]
         if info.is_main:
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept[path]))
+    prog.tokens_seen = sum(r["tokens"] for r in kept[metrics_path])
+    # best/ holds a drafter really measured at its recorded tau (possibly at a step past the
+    # checkpoint, saved before the crash): its record is the best to beat.
+    best = read_json_safe(out_dir / "best" / "best.json")
+    if "tau_simulated" in best:
+        prog.best_tau = best["tau_simulated"]
     if info.is_main:
         log(f"[train] resuming from {latest.name} (saved at world size {meta.get('world_size', 1)}): "
             f"step {prog.step}/{meta.get('total_steps')}, epoch {prog.epoch}, batch {prog.position}")
@@ -434,7 +452,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     model, params, opts = tr.model, tr.params, tr.opts
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
-    train_ids, heldout_ids = heldout_split(len(index), tc.heldout_samples, recipe.seed)
+    train_ids, heldout_ids = split_by_conversation(index.sample_index, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
     sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
 
@@ -442,6 +460,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch, tc.batch_layout)]
 
     total_steps = total_steps_of(recipe, lambda e: len(plan_of(e)), micro_per_step)
+    eval_every = eval_interval(tc.eval_every, total_steps)
 
     def schedule(epoch: int, position: int):
         """(epoch, position after the step, the step's micro-batches) of each step from the cursor
@@ -465,6 +484,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     prog, window_recs = resume(latest, tr, fp, out_dir, info)
     metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
     window: deque = deque(window_recs, maxlen=max(1, tc.log_every))
+    evals = [r for r in read_jsonl(eval_path)] if heldout_ids else []
     barrier(info)
     plan = plan_of(prog.epoch)
     fill = sum(train_lengths) / max(1, len(plan) * micro_tokens) if packed_tokens else None
@@ -473,7 +493,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     peak = peak_flops(device, tc.peak_tflops)
     if main:
         log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
-            f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out), {sum(train_lengths)} tokens/epoch, "
+            f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out"
+            + (f" in {len({index.sample_index[j] for j in heldout_ids})} conversations, evaluated every {eval_every} steps" if heldout_ids else "")
+            + f"), {sum(train_lengths)} tokens/epoch, "
             f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
             + (f"packed [1, {micro_tokens}] ({100 * fill:.1f}% real tokens), " if packed_tokens else "padded, ")
             + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}" + (", compiled loss" if tr.compiled else "")
@@ -492,6 +514,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     def checkpoint_meta() -> dict:
         return {"fingerprint": fp, "epoch": prog.epoch, "position": prog.position, "total_steps": total_steps,
                 "skipped_nonfinite": prog.skipped, "nonfinite_in_a_row": prog.in_a_row, "best_tau": prog.best_tau,
+                "tokens_seen": prog.tokens_seen,
                 "drafter": asdict(cfg), "recipe": to_jsonable(recipe)}
 
     def evaluate_heldout() -> dict:
@@ -519,6 +542,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     # The loader reads (or, online, computes) the micro-batches of the next step on a background
     # thread while this one trains: `queued` holds the steps whose batches it has been given.
+    overfit_named = False
     loader = Loader(source.load, device)
     steps_ahead = schedule(prog.epoch, prog.position)
     queued: deque = deque()
@@ -581,6 +605,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             window.append(rec)
             tokens_window += step_tokens
             tokens_session += step_tokens
+            prog.tokens_seen += step_tokens
             if main:
                 append_jsonl(metrics_path, rec)
                 bar.update(1)
@@ -612,8 +637,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 writer.flush()
                 t_window, tokens_window = now, 0
 
-            if heldout_ids and ((tc.eval_every > 0 and step % tc.eval_every == 0) or step == total_steps):
-                ev = evaluate_heldout()
+            if heldout_ids and ((eval_every > 0 and step % eval_every == 0) or step == total_steps):
+                tw = _window_metrics(window, k)
+                ev = {**evaluate_heldout(), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"], "train_tau": tw["tau"]}
+                evals.append(ev)
                 better = prog.best_tau is None or ev["tau"] > prog.best_tau
                 if better:
                     prog.best_tau = ev["tau"]
@@ -624,10 +651,20 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     writer.add_scalar("eval/tau_simulated", ev["tau"], step)
                     for i, a in enumerate(ev["acc"]):
                         writer.add_scalar(f"eval/acc_{i}", a, step)
-                    log(f"[train] eval step {step}: loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
-                        f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else ""))
+                    log(f"[train] eval step {step}: held-out loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
+                        f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else f" (best {prog.best_tau:.2f})")
+                        + f" | train tau {ev['train_tau']:.2f}")
                     if better:
-                        _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"]})
+                        _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
+                                                                      "acc": ev["acc"], "tokens_seen": ev["tokens_seen"]})
+                    over = overfitting(evals)
+                    if over and not overfit_named:  # one line, when it is first seen
+                        overfit_named = True
+                        log(f"[train] OVERFITTING: held-out simulated tau fell from {over['heldout_from']:.3f} (step {over['from_step']}) "
+                            f"to {over['heldout_to']:.3f} (step {over['to_step']}) while train simulated tau rose from "
+                            f"{over['train_from']:.3f} to {over['train_to']:.3f}; train/best keeps step {over['from_step']}'s drafter "
+                            "(more conversations or fewer epochs would help)")
+                    atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(metrics_path)))
 
             if step % max(1, tc.save_every) == 0 or step == total_steps:
                 folder = save_checkpoint(out_dir, step, model, opts, tr.names, checkpoint_meta(), info)
@@ -648,9 +685,18 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if not main:
         return manifest
     final.eval()
-    sha = _save_drafter_atomic(final, out_dir / "drafter")
+    best_rec = read_json_safe(out_dir / "best" / "best.json") if heldout_ids else {}
+    if best_rec:  # the drafter downstream stages use is the best by held-out figure; the last one stays beside it
+        last_sha = _save_drafter_atomic(final, out_dir / "last")
+        sha = _copy_drafter_atomic(out_dir / "best", out_dir / "drafter")
+        manifest["last"] = {"dir": "last", "sha256": last_sha, "step": step}
+    else:
+        sha = _save_drafter_atomic(final, out_dir / "drafter")
+        manifest.pop("last", None)
+        shutil.rmtree(out_dir / "last", ignore_errors=True)
     w = _window_metrics(window, k)
-    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg)}
+    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg),
+                           "from": f"best held-out simulated tau (step {best_rec['step']})" if best_rec else f"last step ({step})"}
     manifest["device"], manifest["compute_dtype"] = device.type, str(compute_dtype).replace("torch.", "")
     manifest["world_size"] = info.world_size
     manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
@@ -662,12 +708,15 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                            "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),
                            "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak and tokens_per_s else None,
                            "peak_memory_gib": round(_peak_memory_gib(device), 3), "train_flops_per_token": flops_per_token}
-    if prog.best_tau is not None:
-        manifest["metrics"]["heldout_tau_simulated_best"] = prog.best_tau
-        manifest["best"] = {"dir": "best", **read_json_safe(out_dir / "best" / "best.json")}
+    if best_rec:
+        manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
+        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(heldout_ids),
+                                                        len({index.sample_index[j] for j in heldout_ids}))
+        manifest["best"] = {"dir": "best", **best_rec}
     manifest["timings"]["train_s_this_session"] = round(wall, 3)
     log(f"[train] done: {step} steps, loss {w['loss']:.4f}, acc {' '.join(f'{a:.2f}' for a in w['acc'])}, "
-        f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'}")
+        f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'} ({manifest['drafter']['from']})"
+        + (f"; held-out simulated tau best {best_rec['tau_simulated']:.3f}, last {evals[-1]['tau']:.3f}" if best_rec and evals else ""))
     return finish_manifest(out_dir, manifest)
 
 
