@@ -189,6 +189,39 @@ def test_golden_first_step_loss(tmp_path, target_dir, layout):
     assert [ls[0], ls[2]] == pytest.approx(GOLDEN_LOSSES[layout], rel=1e-5)
 
 
+def test_token_budget_sets_the_step_count_and_schedule(tmp_path, target_dir):
+    recipe, run_dir = make_run(tmp_path / "t", target_dir, toy_samples(target_dir), max_steps=None, epochs=50, max_tokens=300,
+                               batch_tokens=64, warmup_steps=1, min_lr_ratio=0.1)
+    m = loop.run(recipe, run_dir, "fp-train")
+    recs = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert m["counts"]["steps"] == len(recs) == 5 and m["stopped"] == "steps"  # ceil(300 / 64): not 50 epochs
+    assert [r["lr"] for r in recs] == pytest.approx([loop.lr_at(s, 5, 1e-2, 1, 0.1) for s in range(1, 6)])
+    assert recs[-1]["lr"] == pytest.approx(1e-3)  # the schedule ends at the budget
+    recipe.train.max_steps = 3  # both set: the smaller count wins
+    assert loop.total_steps_of(recipe, lambda e: 100, 1) == 3
+
+
+def test_minutes_budget_stops_cleanly_and_completes(tmp_path, target_dir):
+    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir, n=40), max_steps=50, max_minutes=1e-9,
+                               save_every=100)
+    m = loop.run(recipe, run_dir, "fp-train")
+    train = run_dir / "train"
+    assert m["status"] == "complete" and m["stopped"] == "budget" and m["counts"]["steps"] == 1
+    assert (train / "latest").read_text().strip() == "step-000001" and (train / "drafter" / "model.safetensors").exists()
+    assert m["metrics"]["heldout"]["last_step"] == 1  # the held-out figure of the step it stopped at
+    assert read_json(train / "step-000001" / "meta.json")["train_s"] > 0
+
+
+def test_negative_budgets_are_refused_at_parse_time():
+    from draftsmith.config import parse_recipe
+
+    for flag in ("--train.max_minutes", "--train.max_tokens"):
+        with pytest.raises(DraftsmithError, match=rf"command line: {flag[2:]} -5(\.0)?: a budget must be >= 0"):
+            parse_recipe([flag, "-5"])
+    recipe, _ = parse_recipe(["--train.max_minutes", "12.5", "--train.max_tokens", "1000000"])
+    assert (recipe.train.max_minutes, recipe.train.max_tokens) == (12.5, 1_000_000)
+
+
 def test_nonfinite_steps_are_skipped_then_stop(tmp_path, target_dir):
     recipe, run_dir = make_run(tmp_path / "one", target_dir, toy_samples(target_dir, nan_sample=4), max_steps=6)
     m = loop.run(recipe, run_dir, "fp-train")

@@ -171,6 +171,15 @@ class TrainConfig:
     the micro-batches that are left)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (overrides epochs)."""
+    max_tokens: int = 0
+    """Token budget (0 = off): train ceil(max_tokens / batch_tokens) optimizer steps (batch_tokens
+    is a step's token budget, padding included), the lr schedule decaying over them. Overrides
+    epochs; with max_steps set too, the smaller step count wins."""
+    max_minutes: float = 0.0
+    """Wall-clock budget of the training loop in minutes, summed over resumed sessions (0 = off).
+    At the first step past it training stops cleanly: a held-out evaluation, a checkpoint, the
+    drafter, and a complete manifest with `stopped: budget`. The lr schedule cannot know where
+    that falls: it decays over max_steps / max_tokens / epochs, so set one of those near what fits."""
     batch_tokens: int = 4096
     """Global batch: tokens per optimizer step, over all ranks and micro-batches."""
     micro_batch_tokens: Optional[int] = None
@@ -393,4 +402,19 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
         warnings.simplefilter("ignore")
         init = p.instantiate_classes(cfg)
     recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
+    bad = check_budgets(recipe.train)
+    if bad:
+        where = argv[1] if argv[:1] == ["--config"] else "command line"
+        raise DraftsmithError(f"{where}: {bad}")
     return recipe, force
+
+
+def check_budgets(tc: TrainConfig) -> Optional[str]:
+    """What is wrong with the training budgets (negative values), or None."""
+    for key in ("max_tokens", "max_minutes"):
+        value = getattr(tc, key)
+        if value < 0:
+            return f"train.{key} {value}: a budget must be >= 0 (0 = no budget); fix the value"
+    if tc.max_steps is not None and tc.max_steps < 1:
+        return f"train.max_steps {tc.max_steps}: must be >= 1, or unset it to train for train.epochs"
+    return None

@@ -62,7 +62,7 @@ from tqdm import tqdm
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
                          log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, sha256_file, stage_dir, to_jsonable, token_stage,
                          verify_shards, write_manifest)
-from ..config import Recipe
+from ..config import Recipe, check_budgets
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
 from ..draft.build import drafter_config, init_drafter
@@ -97,11 +97,13 @@ def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_rati
 
 
 def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
-    """max_steps, else the steps of `epochs` whole passes: each epoch's steps counted from its
-    own plan (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
+    """max_steps and/or the steps of max_tokens (ceil(max_tokens / batch_tokens)), the smaller;
+    else the steps of `epochs` whole passes: each epoch's steps counted from its own plan
+    (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
     tc = recipe.train
-    if tc.max_steps is not None:
-        return int(tc.max_steps)
+    caps = ([int(tc.max_steps)] if tc.max_steps is not None else []) + ([-(-int(tc.max_tokens) // tc.batch_tokens)] if tc.max_tokens else [])
+    if caps:
+        return max(1, min(caps))
     whole = int(tc.epochs)
     steps = sum(steps_of_plan(plan_len(e), micro_per_step) for e in range(whole))
     if tc.epochs > whole:
@@ -357,6 +359,7 @@ class Progress:
     in_a_row: int = 0
     best_tau: float | None = None  # best held-out simulated tau so far
     tokens_seen: int = 0  # training tokens of the steps so far (real tokens, no padding)
+    train_s: float = 0.0  # seconds in the training loop, over all sessions (train.max_minutes)
 
 
 def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: DistInfo) -> tuple[Progress, list[dict]]:
@@ -377,7 +380,7 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
                               f"now {fp}); delete {out_dir} to start over")
     set_rng_state(meta["rng"])
     prog = Progress(int(meta["step"]), int(meta["epoch"]), int(meta["position"]), int(meta.get("skipped_nonfinite", 0)),
-                    int(meta.get("nonfinite_in_a_row", 0)), meta.get("best_tau"))
+                    int(meta.get("nonfinite_in_a_row", 0)), meta.get("best_tau"), 0, float(meta.get("train_s", 0.0)))
     kept = {}
     for path in (metrics_path, eval_path):
         kept[path] = [r for r in read_jsonl(path) if r["step"] <= prog.step]
@@ -402,6 +405,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if k < 1 or tc.batch_tokens < 1 or tc.max_length < 3:
         raise DraftsmithError(f"train: ttt_steps {k}, batch_tokens {tc.batch_tokens}, max_length {tc.max_length}: "
                               "need ttt_steps >= 1, batch_tokens >= 1, max_length >= 3")
+    bad = check_budgets(tc)
+    if bad:
+        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: {bad}")
     info = init_distributed(tc.device)
     main = info.is_main
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
@@ -509,12 +515,22 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         bar = tqdm(total=total_steps, initial=prog.step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
                    disable=not sys.stderr.isatty())
     start_step, t_start = prog.step, time.time()
+    train_s_before, budget_s = prog.train_s, 60.0 * tc.max_minutes
+
+    def out_of_time() -> bool:
+        """The minutes budget is spent (rank 0's clock decides for every rank)."""
+        prog.train_s = train_s_before + time.time() - t_start
+        if not budget_s:
+            return False
+        flag = torch.tensor([float(prog.train_s >= budget_s)], dtype=torch.float64, device=device)
+        all_reduce_sum(flag if main else flag.zero_(), info)
+        return bool(flag.item())
     t_window, tokens_window, tokens_session = t_start, 0, 0
 
     def checkpoint_meta() -> dict:
         return {"fingerprint": fp, "epoch": prog.epoch, "position": prog.position, "total_steps": total_steps,
                 "skipped_nonfinite": prog.skipped, "nonfinite_in_a_row": prog.in_a_row, "best_tau": prog.best_tau,
-                "tokens_seen": prog.tokens_seen,
+                "tokens_seen": prog.tokens_seen, "train_s": prog.train_s,
                 "drafter": asdict(cfg), "recipe": to_jsonable(recipe)}
 
     def evaluate_heldout() -> dict:
@@ -546,8 +562,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     loader = Loader(source.load, device)
     steps_ahead = schedule(prog.epoch, prog.position)
     queued: deque = deque()
+    stopped = "budget" if budget_s and train_s_before >= budget_s else None  # a resumed run whose budget was spent
     try:
-        while prog.step < total_steps:
+        while prog.step < total_steps and stopped is None:
             while len(queued) < 2 and prog.step + len(queued) < total_steps:
                 queued.append(next(steps_ahead))
                 for ids in my_slots(queued[-1][2]):
@@ -606,6 +623,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             tokens_window += step_tokens
             tokens_session += step_tokens
             prog.tokens_seen += step_tokens
+            if out_of_time():
+                stopped = "budget"
+            last = step == total_steps or stopped is not None  # evaluate and save at the last step
             if main:
                 append_jsonl(metrics_path, rec)
                 bar.update(1)
@@ -618,7 +638,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                         writer.add_scalar(f"train/ce_{i}", c, step)
                     writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
 
-            if main and (step % max(1, tc.log_every) == 0 or step == total_steps):
+            if main and (step % max(1, tc.log_every) == 0 or last):
                 now = time.time()
                 w = _window_metrics(window, k)
                 tokens_per_s = tokens_window / max(now - t_window, 1e-9)
@@ -637,7 +657,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 writer.flush()
                 t_window, tokens_window = now, 0
 
-            if heldout_ids and ((eval_every > 0 and step % eval_every == 0) or step == total_steps):
+            if heldout_ids and ((eval_every > 0 and step % eval_every == 0) or last):
                 tw = _window_metrics(window, k)
                 ev = {**evaluate_heldout(), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"], "train_tau": tw["tau"]}
                 evals.append(ev)
@@ -666,7 +686,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                             "(more conversations or fewer epochs would help)")
                     atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(metrics_path)))
 
-            if step % max(1, tc.save_every) == 0 or step == total_steps:
+            if step % max(1, tc.save_every) == 0 or last:
                 folder = save_checkpoint(out_dir, step, model, opts, tr.names, checkpoint_meta(), info)
                 manifest["checkpoint"] = folder.name
                 if main:
@@ -679,6 +699,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     # -- final drafter and manifest -------------------------------------------------------
     step = prog.step
+    stopped = stopped or "steps"
+    if stopped == "budget" and main:
+        log(f"[train] budget of {tc.max_minutes:g} min spent after {prog.train_s / 60:.1f} min: stopped at step {step} of "
+            f"{total_steps}, checkpoint saved")
     final = full_drafter(model, cfg, info)
     wall = time.time() - t_start
     barrier(info)
@@ -699,6 +723,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                            "from": f"best held-out simulated tau (step {best_rec['step']})" if best_rec else f"last step ({step})"}
     manifest["device"], manifest["compute_dtype"] = device.type, str(compute_dtype).replace("torch.", "")
     manifest["world_size"] = info.world_size
+    manifest["stopped"] = stopped  # steps: the planned step count (max_steps / max_tokens / epochs); budget: max_minutes
+    manifest["budget"] = {"max_tokens": tc.max_tokens, "max_minutes": tc.max_minutes, "total_steps": total_steps,
+                          "train_s": round(train_s_before + time.time() - t_start, 3)}
     manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
                           "samples_dropped": index.dropped, "tokens_per_epoch": sum(train_lengths),
                           "batches_per_epoch": len(plan_of(prog.epoch)), "micro_batches_per_step": micro_per_step,
