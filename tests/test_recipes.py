@@ -26,8 +26,9 @@ DIFFERENCES = {
 @pytest.mark.parametrize("path", [GPU, H200, QUICKSTART])
 def test_recipes_parse(path):
     recipe, _ = parse_recipe([str(path)])
-    assert recipe.train.online or path == QUICKSTART
-    assert recipe.regenerate.enabled and recipe.train.heldout_samples != 0  # the shape every recipe shares
+    # the quickstart captures once and does not regenerate: both cost too much on 2 CPU cores (its comments)
+    assert (recipe.train.online and recipe.regenerate.enabled) or path == QUICKSTART
+    assert recipe.train.heldout_samples != 0 and recipe.train.eval_every != 0  # held-out on in every recipe
     assert (recipe.train.lr, recipe.train.head_init) == (3e-3, "target")  # the winning defaults
 
 
