@@ -128,8 +128,13 @@ def link_stages(base: Path, run_dir: Path, stages=("data", "capture", "vocab")) 
             link.symlink_to((base / s).resolve(), target_is_directory=True)
 
 
+# Every variant (and bench_peer's peer) trains on all of the base capture: the held-out figures come
+# from the separate --heldout capture, so train's own held-out split (default auto) is turned off.
+EQUAL_DATA = ["--train.heldout_samples", "0"]
+
+
 def recipe_for(recipe_path: str, run_dir: Path, seed: int, flags: list[str], extra: list[str] = ()):
-    recipe, _ = parse_recipe([recipe_path, "--run_dir", str(run_dir), "--seed", str(seed), *flags, *extra])
+    recipe, _ = parse_recipe([recipe_path, "--run_dir", str(run_dir), "--seed", str(seed), *EQUAL_DATA, *flags, *extra])
     return recipe
 
 
@@ -282,7 +287,7 @@ def main(argv=None) -> int:
         for name in names:
             for seed in seeds:
                 d = Path(args.work) / f"{name}-s{seed}"
-                common = f"{args.recipe} --run_dir {d} --seed {seed} {' '.join(VARIANTS[name])}".rstrip()
+                common = f"{args.recipe} --run_dir {d} --seed {seed} {' '.join(EQUAL_DATA + VARIANTS[name])}".rstrip()
                 print(f"# {name}, seed {seed} (data/, capture/, vocab/ linked from {args.base})")
                 print(f"draftsmith train {common}")
                 print(f"draftsmith evaluate {common} {' '.join(eval_flags(args))}")
