@@ -15,7 +15,7 @@ import textwrap
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
@@ -171,6 +171,15 @@ class TrainConfig:
     the micro-batches that are left)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (overrides epochs)."""
+    max_tokens: int = 0
+    """Token budget (0 = off): train ceil(max_tokens / batch_tokens) optimizer steps (batch_tokens
+    is a step's token budget, padding included), the lr schedule decaying over them. Overrides
+    epochs; with max_steps set too, the smaller step count wins."""
+    max_minutes: float = 0.0
+    """Wall-clock budget of the training loop in minutes, summed over resumed sessions (0 = off).
+    At the first step past it training stops cleanly: a held-out evaluation, a checkpoint, the
+    drafter, and a complete manifest with `stopped: budget`. The lr schedule cannot know where
+    that falls: it decays over max_steps / max_tokens / epochs, so set one of those near what fits."""
     batch_tokens: int = 4096
     """Global batch: tokens per optimizer step, over all ranks and micro-batches."""
     micro_batch_tokens: Optional[int] = None
@@ -186,8 +195,10 @@ class TrainConfig:
     right-padded to the longest, one per row (the shape changes from batch to batch)."""
     max_length: int = 2048
     """Samples longer than this are cut."""
-    lr: float = 3e-4
-    """Peak learning rate (AdamW), reached after the warmup."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW), reached after the warmup. 3e-3 won the training ablation
+    against 3e-4 and 1e-3 on real captures at equal data (benchmarks/bench_ablation.py, variants
+    lr*), and with head_init target it beat the `speculators` peer (benchmarks/bench_peer.py)."""
     weight_decay: float = 0.0
     """AdamW weight decay of the weight matrices (norms get none)."""
     optimizer: Literal["adamw", "muon"] = "adamw"
@@ -223,16 +234,26 @@ class TrainConfig:
     packed batches and flex attention (fixed shapes: one compile, paid in the first steps); off
     otherwise (the chunked kernel does not trace, padded shapes would recompile, and compiling
     on a CPU takes minutes)."""
-    heldout_samples: int = 0
-    """Capture samples held out of training for evaluation (simulated acceptance length)."""
-    eval_every: int = 0
-    """Evaluate on the held-out samples every N steps (and at the end); keeps the best drafter in
-    train/best/. 0: only at the end."""
+    heldout_samples: Union[int, Literal["auto"]] = "auto"
+    """Samples held out of training to measure the drafter on data it never saw: whole
+    conversations, chosen by the seed, so no conversation is on both sides. auto = min(256, 5 %
+    of the samples, rounded down); 0 = none (no held-out figures, the last step's drafter is the
+    drafter)."""
+    eval_every: Union[int, Literal["auto"]] = "auto"
+    """Evaluate on the held-out samples every N steps (and at the end): teacher-forced accuracy
+    per TTT position, its simulated tau, the learning curve (train/learning_curve.png) and an
+    OVERFITTING line in the log when the held-out figure falls while the training figure rises.
+    The best drafter by held-out simulated tau is kept in train/best/ and becomes train/drafter/
+    (what evaluate and export use); the last step's is train/last/. auto = about 10 evaluations
+    per run; 0 = only at the end."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
-    head_init: Literal["random", "target"] = "random"
-    """Initial drafter lm_head: random, or the target's lm_head rows of the draft vocab (the
-    drafter then starts by reading its hidden state the way the target reads its own)."""
+    head_init: Literal["random", "target"] = "target"
+    """Initial drafter lm_head: the target's lm_head rows of the draft vocab (the drafter then
+    starts by reading its hidden state the way the target reads its own), or random. target won
+    the training ablation (benchmarks/bench_ablation.py, variant head_target; with lr 3e-3 the
+    combination that beat the `speculators` peer); a frozen head (train_head false), Muon and
+    ttt_decay 1 lost there."""
     train_head: bool = True
     """Train the lm_head. false: it keeps its initial value (with head_init target: the target's
     own head, frozen, as speculators trains)."""
@@ -382,4 +403,19 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
         warnings.simplefilter("ignore")
         init = p.instantiate_classes(cfg)
     recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
+    bad = check_budgets(recipe.train)
+    if bad:
+        where = argv[1] if argv[:1] == ["--config"] else "command line"
+        raise DraftsmithError(f"{where}: {bad}")
     return recipe, force
+
+
+def check_budgets(tc: TrainConfig) -> Optional[str]:
+    """What is wrong with the training budgets (negative values), or None."""
+    for key in ("max_tokens", "max_minutes"):
+        value = getattr(tc, key)
+        if value < 0:
+            return f"train.{key} {value}: a budget must be >= 0 (0 = no budget); fix the value"
+    if tc.max_steps is not None and tc.max_steps < 1:
+        return f"train.max_steps {tc.max_steps}: must be >= 1, or unset it to train for train.epochs"
+    return None

@@ -67,6 +67,9 @@ def target_fingerprint(recipe: Recipe) -> str:
     would cost minutes, so weights count by name and size."""
     t = recipe.target
     root = Path(t.path)
+    if "<" in str(t.path):  # recipes/gpu.yaml ships a placeholder the user must replace
+        raise DraftsmithError(f"target.path {t.path!r} is the recipe's placeholder: set it to your local Hugging Face model folder "
+                              "in your copy of the recipe, or pass --target.path DIR")
     if not (root / "config.json").exists():
         raise DraftsmithError(f"{root / 'config.json'}: target model not found; set target.path to a local Hugging Face model folder")
     parts = []

@@ -223,7 +223,7 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[l
 
 
 RELEVANT_FILES = ["recipe.yaml", LEDGER, "data/manifest.json", "capture/manifest.json", "vocab/vocab.safetensors",
-                  "train/drafter", "train/tensorboard", "eval/results.json", "eval/report.md", "eval/acceptance.png",
+                  "train/drafter", "train/learning_curve.png", "train/tensorboard", "eval/results.json", "eval/report.md", "eval/acceptance.png",
                   "export/sglang", "export/vllm", "plan.json", "probe/report.md"]
 
 # Substrings of an error -> what usually fixes it (DraftsmithErrors already carry their fix).

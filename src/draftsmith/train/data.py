@@ -80,6 +80,7 @@ class CaptureIndex(_Lengths):
         self.entries: list[tuple[int, int, int]] = []  # (shard, first row, length after cut)
         self.input_ids: list[torch.Tensor] = []
         self.loss_mask: list[torch.Tensor] = []
+        self.sample_index: list[int] = []  # the sample's conversation (record in the source): the held-out split's unit
         self.dropped = 0
         for si, p in enumerate(self.paths):
             try:
@@ -97,10 +98,11 @@ class CaptureIndex(_Lengths):
                                       f"{num_aux} aux layers x hidden {hidden_size}; the capture is from another target, rerun `draftsmith capture`")
             self._handles[si] = h
             ids, mask, off = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool(), h.get_tensor("offsets").tolist()
+            records = h.get_tensor("sample_index").tolist() if "sample_index" in keys else [None] * (len(off) - 1)
             if off[-1] != ids.shape[0] or aux_shape[0] != ids.shape[0] or fin_shape[0] != ids.shape[0]:
                 raise DraftsmithError(f"{p}: offsets/rows disagree ({off[-1]} offsets end, {ids.shape[0]} tokens, "
                                       f"{aux_shape[0]} aux rows); delete the capture folder and rerun `draftsmith capture`")
-            for a, b in zip(off[:-1], off[1:]):
+            for a, b, rec in zip(off[:-1], off[1:], records):
                 n = trainable_length(mask[a:b], self.max_length)
                 if not n:
                     self.dropped += 1
@@ -108,6 +110,8 @@ class CaptureIndex(_Lengths):
                 self.entries.append((si, a, n))
                 self.input_ids.append(ids[a:a + n])
                 self.loss_mask.append(mask[a:a + n])
+                # a shard without sample_index: each sample a conversation of its own
+                self.sample_index.append(int(rec) if rec is not None else -len(self.entries))
         self.lengths = [e[2] for e in self.entries]
 
     def batch(self, sample_ids: Sequence[int], packed_tokens: Optional[int] = None, pin: bool = False) -> Batch:

@@ -4,10 +4,17 @@ Reads capture/ (hidden-state shards; online mode: data/ token shards, see below)
 embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/step-NNNNNN/{state/*.safetensors,meta.json}, train/latest   (checkpoint.py, DCP)
     train/metrics.jsonl     one record per optimizer step (loss, CE/acc per TTT position, lr, grad norm)
-    train/eval.jsonl        held-out evaluations (simulated acceptance length per eval)
+    train/eval.jsonl        held-out evaluations (heldout.py: accuracy per position, simulated tau, train figures)
+    train/learning_curve.png  held-out and train simulated tau against tokens seen (rewritten at every eval)
     train/tensorboard/      the same as TensorBoard scalars, plus tokens/s, MFU, peak memory
-    train/best/             the drafter with the best held-out simulated tau (when heldout_samples > 0)
-    train/drafter/          the final drafter (config.json + model.safetensors, draft/io.py's save_drafter)
+    train/best/             the drafter with the best held-out simulated tau so far, best.json its record
+    train/drafter/          THE drafter, what evaluate and export read (config.json + model.safetensors,
+                            draft/io.py's save_drafter): with held-out samples, a copy of best/ at the
+                            end; without, the last step's
+    train/last/             the last step's drafter (with held-out samples only)
+Held-out samples (train.heldout_samples, default auto) are whole conversations (heldout.py);
+the manifest's metrics.heldout record (best and last held-out figures, still_improving,
+overfitting) is what `status` shows and reasons from.
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
 A micro-batch is packed by default (train.batch_layout; train/data.py): whole samples end to
 end in one fixed [1, micro_batch_tokens] row, so every forward has the same shape. A step takes
@@ -19,6 +26,10 @@ steps. A step reads its figures from the device once.
 A rerun after a crash continues from `latest` and reproduces the uninterrupted run's losses
 at any world size: the batch plan is a function of (seed, epoch), the cursor and the AdamW
 state are checkpointed, and the learning rate is a function of the step.
+
+Where the hidden states come from is decided once (data_source): CaptureSource (capture/'s
+shards) or OnlineSource (the target's forward); both give the same sample index and a `load`.
+The optimizers and the module they train come from make_trainable, a resume from resume().
 
 Online mode (train.online: true) reads the token shards of prepare (data/, or regen/ when
 regenerate is on) instead of capture/, loads the whole target once next to the drafter
@@ -42,16 +53,16 @@ import sys
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
-                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, stage_dir, to_jsonable, token_stage,
+from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
+                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, sha256_file, stage_dir, to_jsonable, token_stage,
                          verify_shards, write_manifest)
-from ..config import Recipe
+from ..config import Recipe, check_budgets
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
 from ..draft.build import drafter_config, init_drafter
@@ -64,12 +75,14 @@ from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .flops import peak_flops, train_flops_per_token
+from .heldout import best_of, eval_interval, heldout_count, heldout_record, overfitting, plot_learning_curve, split_by_conversation
 from .ttt import TTTLoss, position_weights, simulated_tau
 
 MAX_NONFINITE_IN_A_ROW = 10
 ADAM_BETAS = (0.9, 0.95)
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
+CURVE_FILE = "learning_curve.png"
 
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
@@ -84,11 +97,13 @@ def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_rati
 
 
 def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
-    """max_steps, else the steps of `epochs` whole passes: each epoch's steps counted from its
-    own plan (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
+    """max_steps and/or the steps of max_tokens (ceil(max_tokens / batch_tokens)), the smaller;
+    else the steps of `epochs` whole passes: each epoch's steps counted from its own plan
+    (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
     tc = recipe.train
-    if tc.max_steps is not None:
-        return int(tc.max_steps)
+    caps = ([int(tc.max_steps)] if tc.max_steps is not None else []) + ([-(-int(tc.max_tokens) // tc.batch_tokens)] if tc.max_tokens else [])
+    if caps:
+        return max(1, min(caps))
     whole = int(tc.epochs)
     steps = sum(steps_of_plan(plan_len(e), micro_per_step) for e in range(whole))
     if tc.epochs > whole:
@@ -138,16 +153,6 @@ def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size
                               f"not a multiple of the world size {world_size}; set batch_tokens to a multiple of "
                               f"micro_batch_tokens * {world_size}")
     return micro, per_step
-
-
-def heldout_split(n: int, heldout: int, seed: int) -> tuple[list[int], list[int]]:
-    """(training sample ids, held-out sample ids): the held-out ones are the first of a seeded permutation."""
-    if heldout <= 0:
-        return list(range(n)), []
-    if heldout >= n:
-        raise DraftsmithError(f"train: heldout_samples {heldout} leaves nothing to train on ({n} samples); lower it")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 7919 + 17)).tolist()
-    return sorted(order[heldout:]), sorted(order[:heldout])
 
 
 def _fmt_s(s: float) -> str:
@@ -201,6 +206,16 @@ def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | Non
     return sha
 
 
+def _copy_drafter_atomic(src: Path, folder: Path) -> str:
+    """Copy a drafter folder into place atomically; returns its model.safetensors' sha256."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return sha256_file(folder / "model.safetensors")
+
+
 def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
     """The target for online training (recipe.target), on this rank's GPU under torchrun as in
     capture; (target, load seconds). No tokenizer: the token shards are already tokenized."""
@@ -216,6 +231,173 @@ def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
     return target, round(time.time() - t0, 3)
 
 
+# -- data sources: where a micro-batch's hidden states come from --------------------------------
+# Both give the same sample index (lengths, cuts, order) for the same token shards, so the batch
+# plans, cursor and checkpoints are shared; `load(sample_ids)` runs on the loader's thread.
+
+class CaptureSource:
+    """Offline: capture/'s shards hold the hidden states (CaptureIndex.batch reads them)."""
+
+    online = False
+    nonfinite_fix = "check capture/ for NaN/inf hidden states (rerun `draftsmith capture --force`)"
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        self.recipe = recipe
+        self.dir, self.stage = stage_dir(run_dir, "capture"), "capture"
+        self.manifest = require_complete(self.dir, self.stage)
+        self.index: CaptureIndex | None = None
+        self.packed_tokens, self.pin = None, False
+
+    def fingerprinted_config(self) -> dict:
+        return {}
+
+    def open(self, shard_paths: list[Path], hidden: int, max_length: int, packed_tokens: int | None, pin: bool,
+             info: DistInfo, manifest: dict) -> list[int]:
+        """Index the samples; returns the aux layer ids whose states the source holds."""
+        m = self.manifest
+        if int(m.get("hidden_size", hidden)) != hidden:
+            raise DraftsmithError(f"{self.dir / 'manifest.json'}: hidden_size {m['hidden_size']} differs from the target's {hidden}; "
+                                  "the capture is from another model, rerun `draftsmith capture --force`")
+        aux_layer_ids = list(m.get("aux_layer_ids") or [])
+        if not aux_layer_ids:
+            raise DraftsmithError(f"{self.dir / 'manifest.json'}: no aux_layer_ids recorded; rerun `draftsmith capture --force`")
+        self.index = CaptureIndex(shard_paths, max_length, hidden, len(aux_layer_ids))
+        self.packed_tokens, self.pin = packed_tokens, pin
+        return aux_layer_ids
+
+    def load(self, sample_ids):
+        return self.index.batch(sample_ids, self.packed_tokens, self.pin)
+
+    def describe(self) -> str:
+        return ""
+
+
+class OnlineSource(CaptureSource):
+    """Online (train.online): prepare's (or regenerate's) token shards, and the hidden states of
+    the target's forward per micro-batch (target/online.py), batched by capture.batch_tokens and
+    rounded to capture.storage_dtype as a capture shard would hold them."""
+
+    online = True
+    nonfinite_fix = "check target.dtype (float16 overflows: use bfloat16 or float32)"
+
+    def __init__(self, recipe: Recipe, run_dir: Path):
+        self.recipe = recipe
+        self.dir, self.stage = token_stage(recipe, run_dir)
+        self.manifest = require_complete(self.dir, self.stage)
+        self.index: TokenIndex | None = None
+        self.target: Target | None = None
+        self.packed_tokens, self.pin = None, False
+
+    def fingerprinted_config(self) -> dict:
+        return {"capture": self.recipe.capture}  # the storage rounding and forward batching of the states
+
+    def open(self, shard_paths, hidden, max_length, packed_tokens, pin, info, manifest):
+        target, load_s = _load_online_target(self.recipe, info)
+        manifest["timings"]["load_target_s"] = load_s
+        if target.hidden_size != hidden:
+            raise DraftsmithError(f"{self.recipe.target.path}: the loaded target's hidden size {target.hidden_size} differs from its "
+                                  f"config's {hidden}; check target.path")
+        aux_layer_ids = list(target.aux_layer_ids)
+        manifest.update(aux_layer_ids=aux_layer_ids, hidden_size=hidden, storage_dtype=self.recipe.capture.storage_dtype,
+                        source=self.stage)
+        index = TokenIndex(shard_paths, max_length)
+        top, where = index.max_token_id()
+        if top >= target.vocab_size:
+            si, j, _ = index.entries[where]
+            raise DraftsmithError(f"{index.paths[si]}: sample {j}: token id {top} >= the target's vocab_size {target.vocab_size}; the "
+                                  f"tokenizer in {self.recipe.target.path} does not belong to its model, fix the folder and rerun "
+                                  f"`draftsmith {self.stage} --force`")
+        self.target, self.index, self.packed_tokens, self.pin = target, index, packed_tokens, pin
+        return aux_layer_ids
+
+    def load(self, sample_ids):
+        c = self.recipe.capture
+        b = online_batch(self.target, self.index.samples(sample_ids), c.storage_dtype, c.batch_tokens, self.packed_tokens)
+        return b.pin_memory() if self.pin and b.input_ids.device.type == "cpu" else b
+
+    def describe(self) -> str:
+        return (f"; online: target forward on {self.target.device} ({str(self.target.dtype).replace('torch.', '')}), states rounded "
+                f"to {self.recipe.capture.storage_dtype}, read from {self.dir}")
+
+
+def data_source(recipe: Recipe, run_dir: Path) -> CaptureSource:
+    """The one place that decides between offline captures and the online target forward."""
+    return OnlineSource(recipe, run_dir) if recipe.train.online else CaptureSource(recipe, run_dir)
+
+
+# -- the trained module, its optimizers, and resume ------------------------------------------------
+
+@dataclass
+class Trainable:
+    model: torch.nn.Module  # TTTLoss around the drafter, parallelized (FSDP2 under torchrun)
+    params: list  # the trained tensors
+    names: dict  # module FQN -> checkpoint name
+    opts: list  # build_optimizers
+    compiled: bool
+
+
+def make_trainable(drafter: Eagle3Drafter, tc, info: DistInfo, compute_dtype: torch.dtype) -> Trainable:
+    """FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit;
+    then the optimizers of what requires grad (a frozen head does not)."""
+    if not tc.train_head:
+        drafter.lm_head.weight.requires_grad_(False)
+    compiled = compile_loss(tc.compile, info.device, tc.batch_layout, tc.attention)
+    model = parallelize(TTTLoss(drafter, int(tc.ttt_steps), tc.ttt_decay, tc.attention, "inductor" if compiled else None),
+                        info, compute_dtype)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return Trainable(model, [p for _, p in named], {n: n.removeprefix("drafter.") for n, _ in named},
+                     build_optimizers(named, tc), compiled)
+
+
+@dataclass
+class Progress:
+    """The run's position, saved in every checkpoint's meta.json besides the weights."""
+    step: int = 0
+    epoch: int = 0
+    position: int = 0  # micro-batches of the epoch's plan already taken
+    skipped: int = 0  # non-finite steps so far
+    in_a_row: int = 0
+    best_tau: float | None = None  # best held-out simulated tau so far
+    tokens_seen: int = 0  # training tokens of the steps so far (real tokens, no padding)
+    train_s: float = 0.0  # seconds in the training loop, over all sessions (train.max_minutes)
+
+
+def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: DistInfo) -> tuple[Progress, list[dict]]:
+    """Fill the model and optimizers from checkpoint `latest` and cut metrics.jsonl / eval.jsonl
+    back to its step (a crash may have torn a last line, or logged steps past it); returns the
+    progress and the metrics records kept. Without a checkpoint: a fresh start, both files removed."""
+    metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
+    if latest is None:
+        if info.is_main:
+            for path in (metrics_path, eval_path, out_dir / CURVE_FILE):
+                path.unlink(missing_ok=True)
+            for folder in ("best", "last"):  # a best drafter of an earlier run must not become this run's
+                shutil.rmtree(out_dir / folder, ignore_errors=True)
+        return Progress(), []
+    meta = load_checkpoint(latest, tr.model, tr.opts, tr.names)
+    if meta.get("fingerprint") != fp:
+        raise DraftsmithError(f"{latest / 'meta.json'}: checkpoint of other inputs or config (fingerprint {meta.get('fingerprint')}, "
+                              f"now {fp}); delete {out_dir} to start over")
+    set_rng_state(meta["rng"])
+    prog = Progress(int(meta["step"]), int(meta["epoch"]), int(meta["position"]), int(meta.get("skipped_nonfinite", 0)),
+                    int(meta.get("nonfinite_in_a_row", 0)), meta.get("best_tau"), 0, float(meta.get("train_s", 0.0)))
+    kept = {}
+    for path in (metrics_path, eval_path):
+        kept[path] = [r for r in read_jsonl(path) if r["step"] <= prog.step]
+        if info.is_main:
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept[path]))
+    prog.tokens_seen = sum(r["tokens"] for r in kept[metrics_path])
+    # best/ holds a drafter really measured at its recorded tau (possibly at a step past the
+    # checkpoint, saved before the crash): its record is the best to beat.
+    best = read_json_safe(out_dir / "best" / "best.json")
+    if "tau_simulated" in best:
+        prog.best_tau = best["tau_simulated"]
+    if info.is_main:
+        log(f"[train] resuming from {latest.name} (saved at world size {meta.get('world_size', 1)}): "
+            f"step {prog.step}/{meta.get('total_steps')}, epoch {prog.epoch}, batch {prog.position}")
+    return prog, kept[metrics_path]
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
@@ -223,34 +405,31 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if k < 1 or tc.batch_tokens < 1 or tc.max_length < 3:
         raise DraftsmithError(f"train: ttt_steps {k}, batch_tokens {tc.batch_tokens}, max_length {tc.max_length}: "
                               "need ttt_steps >= 1, batch_tokens >= 1, max_length >= 3")
+    bad = check_budgets(tc)
+    if bad:
+        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: {bad}")
     info = init_distributed(tc.device)
     main = info.is_main
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
     vocab_dir, out_dir = stage_dir(run_dir, "vocab"), stage_dir(run_dir, "train")
-    if tc.online:  # token shards in, the target's forward per micro-batch (target/online.py)
-        src_dir, src_stage = token_stage(recipe, run_dir)
-    else:
-        src_dir, src_stage = stage_dir(run_dir, "capture"), "capture"
-    src_m = require_complete(src_dir, src_stage)
+    source = data_source(recipe, run_dir)
     vocab_m = require_complete(vocab_dir, "vocab")
     latest = find_latest(out_dir) if out_dir.exists() else None
     prev = load_manifest(out_dir)
     if prev is not None and prev.get("status") == "running" and prev["fingerprint"] == fp:
         manifest = prev
     else:
-        config = {"draft": recipe.draft, "train": tc, "seed": recipe.seed}
-        if tc.online:  # the storage rounding and forward batching of the hidden states
-            config["capture"] = recipe.capture
-        manifest = new_manifest("train", fp, config, {src_stage: src_m["fingerprint"], "vocab": vocab_m["fingerprint"]})
-    manifest["online"] = bool(tc.online)
+        config = {"draft": recipe.draft, "train": tc, "seed": recipe.seed, **source.fingerprinted_config()}
+        manifest = new_manifest("train", fp, config, {source.stage: source.manifest["fingerprint"], "vocab": vocab_m["fingerprint"]})
+    manifest["online"] = source.online
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_temp_files(out_dir, recursive=True)  # half-written files of a killed run (rank 0 is the only writer)
         write_manifest(out_dir, manifest)
     # Hashing every shard costs a full read of the capture; do it once (rank 0), not on each resume.
-    shard_paths = verify_shards(src_dir, src_m, check_hash=latest is None and main)
+    shard_paths = verify_shards(source.dir, source.manifest, check_hash=latest is None and main)
 
-    # -- target tensors, vocab, drafter ----------------------------------------------------
+    # -- target tensors, vocab, data, drafter ----------------------------------------------
     device = info.device
     compute_dtype = resolve_dtype(tc.dtype, device)
     embed, lm_head, tcfg = read_target_embeddings(recipe.target.path, recipe.target.trust_remote_code)
@@ -259,23 +438,15 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         raise DraftsmithError(f"{vocab_dir / VOCAB_FILE}: t2d covers {t2d.numel()} tokens, the target has {tcfg.vocab_size}; "
                               "rerun `draftsmith vocab --force`")
     hidden = int(tcfg.hidden_size)
-    target = None
-    if tc.online:
-        target, load_s = _load_online_target(recipe, info)
-        manifest["timings"]["load_target_s"] = load_s
-        if target.hidden_size != hidden:
-            raise DraftsmithError(f"{recipe.target.path}: the loaded target's hidden size {target.hidden_size} differs from its "
-                                  f"config's {hidden}; check target.path")
-        aux_layer_ids = list(target.aux_layer_ids)
-        manifest.update(aux_layer_ids=aux_layer_ids, hidden_size=hidden, storage_dtype=recipe.capture.storage_dtype,
-                        source=src_stage)
-    else:
-        if int(src_m.get("hidden_size", hidden)) != hidden:
-            raise DraftsmithError(f"{src_dir / 'manifest.json'}: hidden_size {src_m['hidden_size']} differs from the target's {hidden}; "
-                                  "the capture is from another model, rerun `draftsmith capture --force`")
-        aux_layer_ids = list(src_m.get("aux_layer_ids") or [])
-        if not aux_layer_ids:
-            raise DraftsmithError(f"{src_dir / 'manifest.json'}: no aux_layer_ids recorded; rerun `draftsmith capture --force`")
+    # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
+    packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
+    max_length = min(tc.max_length, micro_tokens) if packed_tokens else tc.max_length
+    pin = device.type == "cuda"
+    aux_layer_ids = source.open(shard_paths, hidden, max_length, packed_tokens, pin, info, manifest)
+    index = source.index
+    if len(index) == 0:
+        raise DraftsmithError(f"{source.dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
+                              f"({index.dropped} dropped); check prepare's loss masks and max_length")
     cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
     drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed).to(device)
     head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)  # target lm_head rows of the draft vocab
@@ -283,46 +454,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         with torch.no_grad():
             drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
     del embed, lm_head
-    # FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit.
-    if not tc.train_head:
-        drafter.lm_head.weight.requires_grad_(False)
-    compiled = compile_loss(tc.compile, device, tc.batch_layout, tc.attention)
-    model = parallelize(TTTLoss(drafter, k, tc.ttt_decay, tc.attention, "inductor" if compiled else None), info, compute_dtype)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    names = {n: n.removeprefix("drafter.") for n, _ in named}
-    params = [p for _, p in named]
-    opts = build_optimizers(named, tc)
+    tr = make_trainable(drafter, tc, info, compute_dtype)
+    model, params, opts = tr.model, tr.params, tr.opts
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
-    # -- data ------------------------------------------------------------------------------
-    # Online: the same samples, cuts and order as a CaptureIndex over the capture of these token
-    # shards, so the batch plans below are the same; only where the hidden states come from differs.
-    # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
-    packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
-    max_length = min(tc.max_length, micro_tokens) if packed_tokens else tc.max_length
-    pin = device.type == "cuda"
-    if tc.online:
-        index = TokenIndex(shard_paths, max_length)
-        top, where = index.max_token_id()
-        if top >= target.vocab_size:
-            si, j, _ = index.entries[where]
-            raise DraftsmithError(f"{index.paths[si]}: sample {j}: token id {top} >= the target's vocab_size {target.vocab_size}; the "
-                                  f"tokenizer in {recipe.target.path} does not belong to its model, fix the folder and rerun "
-                                  f"`draftsmith {src_stage} --force`")
-        storage, fwd_tokens = recipe.capture.storage_dtype, recipe.capture.batch_tokens
-
-        def load_batch(sample_ids):
-            b = online_batch(target, index.samples(sample_ids), storage, fwd_tokens, packed_tokens)
-            return b.pin_memory() if pin and b.input_ids.device.type == "cpu" else b
-    else:
-        index = CaptureIndex(shard_paths, max_length, hidden, len(aux_layer_ids))
-
-        def load_batch(sample_ids):
-            return index.batch(sample_ids, packed_tokens, pin)
-    if len(index) == 0:
-        raise DraftsmithError(f"{src_dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
-                              f"({index.dropped} dropped); check prepare's loss masks and max_length")
-    train_ids, heldout_ids = heldout_split(len(index), tc.heldout_samples, recipe.seed)
+    train_ids, heldout_ids = split_by_conversation(index.sample_index, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
     sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
 
@@ -330,6 +466,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch, tc.batch_layout)]
 
     total_steps = total_steps_of(recipe, lambda e: len(plan_of(e)), micro_per_step)
+    eval_every = eval_interval(tc.eval_every, total_steps)
 
     def schedule(epoch: int, position: int):
         """(epoch, position after the step, the step's micro-batches) of each step from the cursor
@@ -350,58 +487,50 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         return mine + [None] * (-(-len(micro_ids) // info.world_size) - len(mine))
 
     # -- resume ----------------------------------------------------------------------------
-    step, epoch, position, skipped, in_a_row, best_tau = 0, 0, 0, 0, 0, None
+    prog, window_recs = resume(latest, tr, fp, out_dir, info)
     metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
-    window: deque = deque(maxlen=max(1, tc.log_every))
-    if latest is not None:
-        meta = load_checkpoint(latest, model, opts, names)
-        if meta.get("fingerprint") != fp:
-            raise DraftsmithError(f"{latest / 'meta.json'}: checkpoint of other inputs or config (fingerprint {meta.get('fingerprint')}, "
-                                  f"now {fp}); delete {out_dir} to start over")
-        set_rng_state(meta["rng"])
-        step, epoch, position = int(meta["step"]), int(meta["epoch"]), int(meta["position"])
-        skipped, in_a_row = int(meta.get("skipped_nonfinite", 0)), int(meta.get("nonfinite_in_a_row", 0))
-        best_tau = meta.get("best_tau")
-        for path in (metrics_path, eval_path):
-            recs = [r for r in read_jsonl(path) if r["step"] <= step]  # a crash may have torn the last line
-            if main:
-                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in recs))
-            if path == metrics_path:
-                window.extend(recs)
-        if main:
-            log(f"[train] resuming from {latest.name} (saved at world size {meta.get('world_size', 1)}): "
-                f"step {step}/{total_steps}, epoch {epoch}, batch {position}")
-    elif main:
-        metrics_path.unlink(missing_ok=True)
-        eval_path.unlink(missing_ok=True)
+    window: deque = deque(window_recs, maxlen=max(1, tc.log_every))
+    evals = [r for r in read_jsonl(eval_path)] if heldout_ids else []
     barrier(info)
-    plan = plan_of(epoch)
+    plan = plan_of(prog.epoch)
     fill = sum(train_lengths) / max(1, len(plan) * micro_tokens) if packed_tokens else None
     mean_context = sum(n * (n + 1) / 2 for n in train_lengths) / max(1, sum(train_lengths))
     flops_per_token = train_flops_per_token(cfg, k, mean_context)
     peak = peak_flops(device, tc.peak_tflops)
     if main:
         log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
-            f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out), {sum(train_lengths)} tokens/epoch, "
+            f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out"
+            + (f" in {len({index.sample_index[j] for j in heldout_ids})} conversations, evaluated every {eval_every} steps" if heldout_ids else "")
+            + f"), {sum(train_lengths)} tokens/epoch, "
             f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
             + (f"packed [1, {micro_tokens}] ({100 * fill:.1f}% real tokens), " if packed_tokens else "padded, ")
-            + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}" + (", compiled loss" if compiled else "")
-            + (f"; online: target forward on {target.device} ({str(target.dtype).replace('torch.', '')}), states rounded to "
-               f"{recipe.capture.storage_dtype}, read from {src_dir}" if tc.online else ""))
+            + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}" + (", compiled loss" if tr.compiled else "")
+            + source.describe())
 
     writer = bar = None
     if main:
         from torch.utils.tensorboard import SummaryWriter  # why here: tensorboard is heavy, and only rank 0 writes
 
-        writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=step + 1 if step else None)
-        bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
+        writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=prog.step + 1 if prog.step else None)
+        bar = tqdm(total=total_steps, initial=prog.step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
                    disable=not sys.stderr.isatty())
-    start_step, t_start = step, time.time()
+    start_step, t_start = prog.step, time.time()
+    train_s_before, budget_s = prog.train_s, 60.0 * tc.max_minutes
+
+    def out_of_time() -> bool:
+        """The minutes budget is spent (rank 0's clock decides for every rank)."""
+        prog.train_s = train_s_before + time.time() - t_start
+        if not budget_s:
+            return False
+        flag = torch.tensor([float(prog.train_s >= budget_s)], dtype=torch.float64, device=device)
+        all_reduce_sum(flag if main else flag.zero_(), info)
+        return bool(flag.item())
     t_window, tokens_window, tokens_session = t_start, 0, 0
 
     def checkpoint_meta() -> dict:
-        return {"fingerprint": fp, "epoch": epoch, "position": position, "total_steps": total_steps,
-                "skipped_nonfinite": skipped, "nonfinite_in_a_row": in_a_row, "best_tau": best_tau,
+        return {"fingerprint": fp, "epoch": prog.epoch, "position": prog.position, "total_steps": total_steps,
+                "skipped_nonfinite": prog.skipped, "nonfinite_in_a_row": prog.in_a_row, "best_tau": prog.best_tau,
+                "tokens_seen": prog.tokens_seen, "train_s": prog.train_s,
                 "drafter": asdict(cfg), "recipe": to_jsonable(recipe)}
 
     def evaluate_heldout() -> dict:
@@ -425,25 +554,28 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         all_reduce_sum(sums, info)
         correct, weight = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
         acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
-        return {"step": step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
+        return {"step": prog.step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
 
     # The loader reads (or, online, computes) the micro-batches of the next step on a background
     # thread while this one trains: `queued` holds the steps whose batches it has been given.
-    loader = Loader(load_batch, device)
-    steps_ahead = schedule(epoch, position)
+    overfit_named = False
+    loader = Loader(source.load, device)
+    steps_ahead = schedule(prog.epoch, prog.position)
     queued: deque = deque()
+    stopped = "budget" if budget_s and train_s_before >= budget_s else None  # a resumed run whose budget was spent
     try:
-        while step < total_steps:
-            while len(queued) < 2 and step + len(queued) < total_steps:
+        while prog.step < total_steps and stopped is None:
+            while len(queued) < 2 and prog.step + len(queued) < total_steps:
                 queued.append(next(steps_ahead))
                 for ids in my_slots(queued[-1][2]):
                     loader.ahead(queued[-1][2][0] if ids is None else ids)
-            epoch, position, micro_ids = queued.popleft()
+            prog.epoch, prog.position, micro_ids = queued.popleft()
             slots = my_slots(micro_ids)
             weight_total = sample_weights[[j for b in micro_ids for j in b]].sum(0)
             weight_total = (weight_total.pin_memory() if pin else weight_total).to(device, non_blocking=True)
             step_tokens = sum(index.lengths[j] for b in micro_ids for j in b)
-            step += 1
+            prog.step += 1
+            step = prog.step
             factor = lr_at(step, total_steps, 1.0, tc.warmup_steps, tc.min_lr_ratio, tc.lr_schedule)
             lr = tc.lr * factor
             for opt in opts:
@@ -473,25 +605,27 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     opt.step()
                 opt.zero_grad(set_to_none=True)
             if ok:
-                in_a_row = 0
+                prog.in_a_row = 0
             else:
-                skipped, in_a_row = skipped + 1, in_a_row + 1
+                prog.skipped, prog.in_a_row = prog.skipped + 1, prog.in_a_row + 1
                 si, _, _ = index.entries[micro_ids[0][0]]
                 if main:
-                    log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({in_a_row} in a row)")
-                if in_a_row >= MAX_NONFINITE_IN_A_ROW:
-                    fix = ("check target.dtype (float16 overflows: use bfloat16 or float32)" if tc.online else
-                           "check capture/ for NaN/inf hidden states (rerun `draftsmith capture --force`)")
-                    raise DraftsmithError(f"{index.paths[si]}: {in_a_row} training steps in a row had a non-finite loss or gradient "
-                                          f"(last at step {step}); {fix} or lower train.lr")
+                    log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({prog.in_a_row} in a row)")
+                if prog.in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                    raise DraftsmithError(f"{index.paths[si]}: {prog.in_a_row} training steps in a row had a non-finite loss or gradient "
+                                          f"(last at step {step}); {source.nonfinite_fix} or lower train.lr")
 
             ce, correct, weight = stats[1:1 + k], stats[1 + k:1 + 2 * k], stats[1 + 2 * k:1 + 3 * k]
             rec = {"step": step, "loss": loss, "ce": ce, "correct": correct, "weight": weight,
                    "acc": [c / w if w else 0.0 for c, w in zip(correct, weight)], "lr": lr, "grad_norm": grad_norm,
-                   "tokens": step_tokens, "epoch": epoch, "skipped": not ok}
+                   "tokens": step_tokens, "epoch": prog.epoch, "skipped": not ok}
             window.append(rec)
             tokens_window += step_tokens
             tokens_session += step_tokens
+            prog.tokens_seen += step_tokens
+            if out_of_time():
+                stopped = "budget"
+            last = step == total_steps or stopped is not None  # evaluate and save at the last step
             if main:
                 append_jsonl(metrics_path, rec)
                 bar.update(1)
@@ -504,7 +638,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                         writer.add_scalar(f"train/ce_{i}", c, step)
                     writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
 
-            if main and (step % max(1, tc.log_every) == 0 or step == total_steps):
+            if main and (step % max(1, tc.log_every) == 0 or last):
                 now = time.time()
                 w = _window_metrics(window, k)
                 tokens_per_s = tokens_window / max(now - t_window, 1e-9)
@@ -515,7 +649,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 log(f"[train] step {step}/{total_steps} | loss {w['loss']:.4f} | acc {acc_txt} | tau {w['tau']:.2f} | "
                     f"lr {lr:.2e} | gnorm {w['grad_norm']:.2f} | {tokens_per_s:,.0f} tok/s"
                     + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | mem {mem:.1f} GiB | eta {_fmt_s(eta)}"
-                    + (f" | skipped {skipped}" if skipped else ""))
+                    + (f" | skipped {prog.skipped}" if prog.skipped else ""))
                 writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
                 writer.add_scalar("train/peak_memory_gib", mem, step)
                 if mfu is not None:
@@ -523,11 +657,13 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 writer.flush()
                 t_window, tokens_window = now, 0
 
-            if heldout_ids and ((tc.eval_every > 0 and step % tc.eval_every == 0) or step == total_steps):
-                ev = evaluate_heldout()
-                better = best_tau is None or ev["tau"] > best_tau
+            if heldout_ids and ((eval_every > 0 and step % eval_every == 0) or last):
+                tw = _window_metrics(window, k)
+                ev = {**evaluate_heldout(), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"], "train_tau": tw["tau"]}
+                evals.append(ev)
+                better = prog.best_tau is None or ev["tau"] > prog.best_tau
                 if better:
-                    best_tau = ev["tau"]
+                    prog.best_tau = ev["tau"]
                 best = full_drafter(model, cfg, info) if better else None
                 if main:
                     append_jsonl(eval_path, ev)
@@ -535,13 +671,23 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     writer.add_scalar("eval/tau_simulated", ev["tau"], step)
                     for i, a in enumerate(ev["acc"]):
                         writer.add_scalar(f"eval/acc_{i}", a, step)
-                    log(f"[train] eval step {step}: loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
-                        f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else ""))
+                    log(f"[train] eval step {step}: held-out loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
+                        f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else f" (best {prog.best_tau:.2f})")
+                        + f" | train tau {ev['train_tau']:.2f}")
                     if better:
-                        _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"]})
+                        _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
+                                                                      "acc": ev["acc"], "tokens_seen": ev["tokens_seen"]})
+                    over = overfitting(evals)
+                    if over and not overfit_named:  # one line, when it is first seen
+                        overfit_named = True
+                        log(f"[train] OVERFITTING: held-out simulated tau fell from {over['heldout_from']:.3f} (step {over['from_step']}) "
+                            f"to {over['heldout_to']:.3f} (step {over['to_step']}) while train simulated tau rose from "
+                            f"{over['train_from']:.3f} to {over['train_to']:.3f}; train/best keeps step {over['from_step']}'s drafter "
+                            "(more conversations or fewer epochs would help)")
+                    atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(metrics_path)))
 
-            if step % max(1, tc.save_every) == 0 or step == total_steps:
-                folder = save_checkpoint(out_dir, step, model, opts, names, checkpoint_meta(), info)
+            if step % max(1, tc.save_every) == 0 or last:
+                folder = save_checkpoint(out_dir, step, model, opts, tr.names, checkpoint_meta(), info)
                 manifest["checkpoint"] = folder.name
                 if main:
                     write_manifest(out_dir, manifest)
@@ -552,32 +698,52 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             bar.close()
 
     # -- final drafter and manifest -------------------------------------------------------
+    step = prog.step
+    stopped = stopped or "steps"
+    if stopped == "budget" and main:
+        log(f"[train] budget of {tc.max_minutes:g} min spent after {prog.train_s / 60:.1f} min: stopped at step {step} of "
+            f"{total_steps}, checkpoint saved")
     final = full_drafter(model, cfg, info)
     wall = time.time() - t_start
     barrier(info)
     if not main:
         return manifest
     final.eval()
-    sha = _save_drafter_atomic(final, out_dir / "drafter")
+    best_rec = read_json_safe(out_dir / "best" / "best.json") if heldout_ids else {}
+    if best_rec:  # the drafter downstream stages use is the best by held-out figure; the last one stays beside it
+        last_sha = _save_drafter_atomic(final, out_dir / "last")
+        sha = _copy_drafter_atomic(out_dir / "best", out_dir / "drafter")
+        manifest["last"] = {"dir": "last", "sha256": last_sha, "step": step}
+    else:
+        sha = _save_drafter_atomic(final, out_dir / "drafter")
+        manifest.pop("last", None)
+        shutil.rmtree(out_dir / "last", ignore_errors=True)
     w = _window_metrics(window, k)
-    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg)}
+    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg),
+                           "from": f"best held-out simulated tau (step {best_rec['step']})" if best_rec else f"last step ({step})"}
     manifest["device"], manifest["compute_dtype"] = device.type, str(compute_dtype).replace("torch.", "")
     manifest["world_size"] = info.world_size
-    manifest["counts"] = {"steps": step, "skipped_nonfinite": skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
+    manifest["stopped"] = stopped  # steps: the planned step count (max_steps / max_tokens / epochs); budget: max_minutes
+    manifest["budget"] = {"max_tokens": tc.max_tokens, "max_minutes": tc.max_minutes, "total_steps": total_steps,
+                          "train_s": round(train_s_before + time.time() - t_start, 3)}
+    manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
                           "samples_dropped": index.dropped, "tokens_per_epoch": sum(train_lengths),
-                          "batches_per_epoch": len(plan_of(epoch)), "micro_batches_per_step": micro_per_step, "epochs_started": epoch + 1,
-                          "batch_layout": tc.batch_layout, "micro_batch_tokens": micro_tokens}
+                          "batches_per_epoch": len(plan_of(prog.epoch)), "micro_batches_per_step": micro_per_step,
+                          "epochs_started": prog.epoch + 1, "batch_layout": tc.batch_layout, "micro_batch_tokens": micro_tokens}
     tokens_per_s = tokens_session / wall if wall > 0 and step > start_step else None
     manifest["metrics"] = {"loss": w["loss"], "acc_per_position": w["acc"], "tau_simulated": w["tau"],
                            "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),
                            "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak and tokens_per_s else None,
                            "peak_memory_gib": round(_peak_memory_gib(device), 3), "train_flops_per_token": flops_per_token}
-    if best_tau is not None:
-        manifest["metrics"]["heldout_tau_simulated_best"] = best_tau
-        manifest["best"] = {"dir": "best", **read_json_safe(out_dir / "best" / "best.json")}
+    if best_rec:
+        manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
+        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(heldout_ids),
+                                                        len({index.sample_index[j] for j in heldout_ids}))
+        manifest["best"] = {"dir": "best", **best_rec}
     manifest["timings"]["train_s_this_session"] = round(wall, 3)
     log(f"[train] done: {step} steps, loss {w['loss']:.4f}, acc {' '.join(f'{a:.2f}' for a in w['acc'])}, "
-        f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'}")
+        f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'} ({manifest['drafter']['from']})"
+        + (f"; held-out simulated tau best {best_rec['tau_simulated']:.3f}, last {evals[-1]['tau']:.3f}" if best_rec and evals else ""))
     return finish_manifest(out_dir, manifest)
 
 

@@ -1,0 +1,53 @@
+"""The shipped recipes parse, and recipes/gpu.yaml (what a user copies for one GPU) stays the
+shape of benchmarks/recipes/h200.yaml (what the project measures on the H200)."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.artifacts import DraftsmithError
+from draftsmith.config import parse_recipe
+from draftsmith.pipeline import target_fingerprint
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU, H200, QUICKSTART = ROOT / "recipes/gpu.yaml", ROOT / "benchmarks/recipes/h200.yaml", ROOT / "recipes/quickstart.yaml"
+
+# Keys of train/regenerate that the two recipes may set differently, and why.
+DIFFERENCES = {
+    "regenerate.max_new_tokens": "h200's 255M-parameter reference target: 256 tokens; a real chat model: 1024",
+    "regenerate.keep_truncated": "the reference target's greedy answers often run on; a real model's end",
+    "regenerate.batch_size": "h200 decodes its small target 256 at a time; 64 fits a real model's KV cache",
+    "train.max_length": "the reference target's conversations are prepared at 1024 tokens",
+    "train.max_minutes": "the benchmark trains its whole epochs; a user's run is budgeted",
+    "train.eval_every": "the benchmark pins its cadence (50); a user's run takes about 10 evaluations",
+}
+
+
+@pytest.mark.parametrize("path", [GPU, H200, QUICKSTART])
+def test_recipes_parse(path):
+    recipe, _ = parse_recipe([str(path)])
+    # the quickstart captures once and does not regenerate: both cost too much on 2 CPU cores (its comments)
+    assert (recipe.train.online and recipe.regenerate.enabled) or path == QUICKSTART
+    assert recipe.train.heldout_samples != 0 and recipe.train.eval_every != 0  # held-out on in every recipe
+    assert (recipe.train.lr, recipe.train.head_init) == (3e-3, "target")  # the winning defaults
+
+
+def test_gpu_recipe_keeps_h200s_shape():
+    gpu, h200 = (yaml.safe_load(p.read_text()) for p in (GPU, H200))
+    for section in ("train", "regenerate"):
+        for key in sorted(set(gpu[section]) | set(h200[section])):
+            name = f"{section}.{key}"
+            if name in DIFFERENCES:
+                continue
+            assert key in gpu[section] and key in h200[section], f"{name} set in one recipe only; set it in both or list it in DIFFERENCES"
+            assert gpu[section][key] == h200[section][key], f"{name}: gpu {gpu[section][key]!r} vs h200 {h200[section][key]!r}"
+    assert gpu["train"]["max_minutes"] > 0  # a user's run has a budget
+
+
+def test_gpu_recipe_placeholder_must_be_set():
+    recipe, _ = parse_recipe([str(GPU)])
+    with pytest.raises(DraftsmithError, match=r"target.path '<your model folder>' is the recipe's placeholder.*--target.path DIR"):
+        target_fingerprint(recipe)
+    recipe, _ = parse_recipe([str(GPU), "--target.path", "/nonexistent/model"])
+    with pytest.raises(DraftsmithError, match=r"/nonexistent/model/config.json: target model not found"):
+        target_fingerprint(recipe)
