@@ -52,6 +52,11 @@ def _print_help(stage_help: dict[str, str]) -> None:
     print("\n`draftsmith COMMAND --help` lists every recipe key with its help.")
 
 
+def one_line(msg: str) -> str:
+    """An error message on one line (a wrapped library message can hold newlines)."""
+    return " ".join(msg.split())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("--help", [])
@@ -78,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.run_stage(command, recipe, force=force)
         return 0
     except DraftsmithError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the user named (or the run folder) cannot be read or written
+        where = e.filename or "a file"
+        print(f"error: {where}: {e.strerror or e}; check that the path exists, is the right kind (file/folder) "
+              "and is readable/writable, then rerun", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)
