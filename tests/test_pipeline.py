@@ -127,19 +127,20 @@ def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     assert err.startswith("error:") and "\n" not in err
 
 
-def _run_until(cmd: list[str], ledger: Path, stage: str, extra_wait: float, timeout: float = 240) -> None:
-    """Start cmd, kill -9 it `extra_wait` seconds after `stage` started (per the ledger)."""
+def _run_until(cmd: list[str], ledger: Path, stage: str, extra_wait: float, timeout: float = 240) -> int:
+    """Start cmd, kill -9 it `extra_wait` seconds after `stage` started (per the ledger); returns
+    its exit status. Fails when the process ends on its own before the kill."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     t0 = time.time()
     try:
         while time.time() - t0 < timeout:
             if proc.poll() is not None:
-                return
+                raise AssertionError(f"the process ended (status {proc.returncode}) before {stage} was killed")
             if ledger.exists() and any(e["event"] == "stage_started" and e["stage"] == stage for e in Ledger(ledger.parent).read()):
                 time.sleep(extra_wait)
+                assert proc.poll() is None, f"the process ended (status {proc.returncode}) before the kill"
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return
+                return proc.wait()
             time.sleep(0.05)
         raise AssertionError(f"{stage} never started")
     finally:
@@ -157,14 +158,107 @@ def test_kill_and_resume_gives_same_figures(tmp_path, target, stage, wait):
     run_dir = tmp_path / "k" / "run"
     recipe = write_recipe(tmp_path / "k", target, run_dir, max_steps=30)
     cmd = [sys.executable, "-m", "draftsmith.cli", "run", str(recipe)]
-    _run_until(cmd, run_dir / "ledger.jsonl", stage, wait)
-    done_before = {e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_finished"}
+    assert _run_until(cmd, run_dir / "ledger.jsonl", stage, wait) == -signal.SIGKILL
+    # the kill landed inside the stage: it started, never finished, and its manifest is not complete
+    events = Ledger(run_dir).read()
+    assert not any(e["event"] == "stage_finished" and e["stage"] == stage for e in events)
+    m = load_manifest(run_dir / stage)
+    assert m is None or m["status"] == "running"
+    done_before = {e["stage"] for e in events if e["event"] == "stage_finished"}
     assert main(["run", str(recipe)]) == 0
     events = Ledger(run_dir).read()
     restarted = [e["stage"] for e in events if e["event"] == "stage_started"]
+    assert restarted.count(stage) == 2
     for s in done_before:  # no finished stage is redone
         assert restarted.count(s) == 1, s
     assert figures(run_dir) == figures(tmp_path / "ref" / "run")
     # capture shards are byte-identical to the uninterrupted run
     for a in sorted((run_dir / "capture").glob("shard-*.safetensors")):
         assert a.read_bytes() == (tmp_path / "ref" / "run" / "capture" / a.name).read_bytes()
+
+
+def _shards(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_failed_rerun_keeps_the_complete_output(tmp_path, target, monkeypatch, capsys):
+    """A rerun of a complete stage for other inputs (or --force) that fails leaves the complete
+    output as it was; one that succeeds replaces it, and nothing is left set aside."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    assert main(["prepare", str(recipe)]) == 0
+    before = _shards(run_dir / "data")
+    fp = load_manifest(run_dir / "data")["fingerprint"]
+    # other inputs that the stage refuses (no sample fits): refused inside the stage run
+    assert main(["prepare", str(recipe), "--prepare.min_loss_tokens", "100000"]) == 2
+    assert "no sample kept" in capsys.readouterr().err
+    assert _shards(run_dir / "data") == before and load_manifest(run_dir / "data")["fingerprint"] == fp
+    assert not (run_dir / ".data.previous").exists()
+    # --force and the disk fills up mid-stage
+    fsync = os.fsync
+    calls = {"n": 0}
+
+    def full(fd):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(28, "No space left on device")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert main(["prepare", str(recipe), "--force", "true"]) == 2
+    monkeypatch.undo()
+    assert _shards(run_dir / "data") == before and not (run_dir / ".data.previous").exists()
+    assert main(["capture", str(recipe)]) == 0  # downstream still reads it
+    # a rerun that succeeds replaces it
+    assert main(["prepare", str(recipe), "--prepare.max_length", "96"]) == 0
+    assert load_manifest(run_dir / "data")["fingerprint"] != fp and not (run_dir / ".data.previous").exists()
+
+
+def test_a_killed_replacement_gives_the_old_output_back(tmp_path, target):
+    """kill -9 while a new run replaces a complete stage: the old output waits in .STAGE.previous
+    and is back in place for the next command when the new run left nothing to resume."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    assert main(["prepare", str(recipe)]) == 0
+    before = _shards(run_dir / "data")
+    # what a kill -9 right after the set-aside leaves: the old output aside, no new folder
+    (run_dir / "data").rename(run_dir / ".data.previous")
+    assert main(["capture", str(recipe)]) == 0
+    assert _shards(run_dir / "data") == before and not (run_dir / ".data.previous").exists()
+
+
+LOCK_HOLDER = """
+import sys, time
+from draftsmith.artifacts import RunLock
+with RunLock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_run_dir_lock(tmp_path, target, capsys):
+    """A second process on a locked run directory names the holder and exits 2; with --wait-lock
+    it waits for the holder and then runs."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run_dir), "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["prepare", str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert f"locked by pid {holder.pid}" in err and f"{sys.executable} -c" in err and "--wait-lock" in err
+        assert not (run_dir / "data").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run_dir), "1.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.time()
+        assert main(["prepare", str(recipe), "--wait-lock"]) == 0
+        assert time.time() - t0 > 0.5 and holder.poll() is not None  # it ran after the holder let go
+        assert load_manifest(run_dir / "data")["status"] == "complete"
+    finally:
+        holder.kill()
+        holder.wait()
