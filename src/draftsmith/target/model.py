@@ -203,12 +203,20 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
         extra = {"device_map": device_map} if device_map else {}
         if experts_implementation:
             extra["experts_implementation"] = experts_implementation
-        model = model_class(config).from_pretrained(str(path), config=config, dtype=dt,
-                                                    trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
+        model, loading = model_class(config).from_pretrained(str(path), config=config, dtype=dt, output_loading_info=True,
+                                                             trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
+    except OSError as e:  # transformers raises OSError (EnvironmentError) for an unreadable config.json or weights
+        raise DraftsmithError(f"{path}: cannot read the model files ({' '.join(str(e).split())[:200]}); re-download the model "
+                              "or fix config.json") from None
     except ValueError as e:
         hint = "set target.trust_remote_code: true if you trust this folder's code" if "trust_remote_code" in str(e) \
             else "check that the folder holds a causal LM that transformers supports"
         raise DraftsmithError(f"{path}: cannot load the model ({str(e).splitlines()[0][:200]}); {hint}") from None
+    missing = sorted((loading or {}).get("missing_keys") or [])
+    if missing:  # transformers would initialise them at random: a target that computes something else
+        raise DraftsmithError(f"{path}: the weights lack {len(missing)} tensor(s) its config.json needs ({', '.join(missing[:3])}"
+                              f"{', ...' if len(missing) > 3 else ''}); the checkpoint is incomplete or for another config, "
+                              "re-download the model")
     if not device_map:
         model.to(dev)
     model.eval()
