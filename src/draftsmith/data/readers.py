@@ -327,9 +327,16 @@ def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[
         return i, where, rec
 
     def cut(why: str) -> None:
+        if mm[max(0, n - 64):n].rstrip().endswith(b"]"):  # the file is whole: a record opens more brackets than it closes
+            at = line + mm[line_pos:seg].count(NEWLINE)
+            why = f"record {index} (line {at}) opens more brackets than it closes; "\
+                  "the records from it to the end cannot be told apart"
+            log(f"[prepare] {path}: {why}; kept the {index:,} complete records before it (fix that record to read the rest)")
+        else:
+            log(f"[prepare] {path}: the file is cut off at byte {n:,} inside record {index}; "
+                f"kept the {index:,} complete records before it")
         stats.truncated_source = {"file": str(path), "complete_records": index, "byte_offset": n, "error": why}
         stats.next_index = max(stats.next_index, index)
-        log(f"[prepare] {path}: the file is cut off at byte {n:,} inside record {index}; kept the {index:,} complete records before it")
 
     while True:
         m = _OPEN_CLOSE.search(mm, pos) if depth else _ARRAY_TOKENS.search(mm, pos)
@@ -362,6 +369,7 @@ def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[
             seg, deepest = pos, 0
 
 
+NEWLINE = b"\n"
 _ARRAY_TOKENS = re.compile(rb"[\[\]{}\",]")
 
 

@@ -516,7 +516,7 @@ def run(cfg: BenchServeConfig) -> dict:
     """The whole benchmark: prompts, sweep, results.json, plot, ledger. Returns the results."""
     levels = list(cfg.concurrency)
     if not levels or any(c < 1 for c in levels):
-        raise DraftsmithError(f"--concurrency {levels}: give positive integers, e.g. [1,2,4,8]")
+        raise DraftsmithError(f"--concurrency {levels}: not a list of positive levels; give positive integers, e.g. [1,2,4,8]")
     for name in ("url", "url_b", "metrics_url", "metrics_url_b"):
         u = getattr(cfg, name)
         if name.startswith("metrics") and (not u or u.lower() == "none"):

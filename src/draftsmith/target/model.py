@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError
 from ..distributed import resolve_device
@@ -38,6 +38,14 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer  # why here: transformers takes seconds to import; only loaders need it
 
+    config = Path(path) / "config.json"
+    if config.exists():  # a broken config.json breaks the tokenizer load too: name the real culprit
+        try:
+            if not isinstance(json.loads(config.read_bytes()), dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DraftsmithError(f"{config}: not a valid model config ({' '.join(str(e).split())[:120]}); "
+                                  "re-download the model or fix config.json") from None
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -68,7 +76,7 @@ def read_text_config(path: str | Path, trust_remote_code: bool = False,
     path = Path(path)
     try:
         return text_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DraftsmithError(f"{path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); {fix}") from None
 
 
@@ -205,7 +213,9 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
             extra["experts_implementation"] = experts_implementation
         model, loading = model_class(config).from_pretrained(str(path), config=config, dtype=dt, output_loading_info=True,
                                                              trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
-    except OSError as e:  # transformers raises OSError (EnvironmentError) for an unreadable config.json or weights
+    except (OSError, SafetensorError, KeyError, TypeError, AttributeError) as e:
+        # OSError (EnvironmentError): an unreadable config.json or weights; the others: a config.json that is not a
+        # config (a list, a string where a number belongs) or weights that are not safetensors
         raise DraftsmithError(f"{path}: cannot read the model files ({' '.join(str(e).split())[:200]}); re-download the model "
                               "or fix config.json") from None
     except ValueError as e:
