@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from ..compat import cache_kwargs, output_cache
+
 FAULTS = ("ok", "error", "stall", "drop")
 
 
@@ -261,10 +263,10 @@ def hf_generator(model_dir: str | Path) -> Callable[[str, int, bool], Iterator[s
         with lock, torch.inference_mode():
             out, cache = model(input_ids=ids, use_cache=True), None
             for _ in range(max_tokens):
-                cache = out.past_key_values
+                cache = output_cache(out)
                 nxt = int(out.logits[0, -1].argmax())
                 yield tok.decode([nxt])
-                out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+                out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **cache_kwargs(model, cache))
     return generate
 
 

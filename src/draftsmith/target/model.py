@@ -19,6 +19,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError
+from ..compat import cache_kwargs, output_cache
 from ..distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -146,8 +147,8 @@ class Target:
                 use_cache: bool = False, with_logits: bool = True) -> TargetOutput:
         """Target forward. Without logits only the decoder runs (capture: no lm_head cost)."""
         self._captured.clear()
-        kw = dict(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                  position_ids=position_ids, use_cache=use_cache)
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                  **cache_kwargs(self.model if with_logits else self.decoder, past_key_values))
         if with_logits:
             out = self.model(**kw, output_hidden_states=False, return_dict=True)
             logits = out.logits
@@ -158,7 +159,7 @@ class Target:
         # Under a device_map the aux layers may sit on different GPUs.
         aux = torch.cat([self._captured[i].to(final.device) for i in self.aux_layer_ids], dim=-1)
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final,
-                            past_key_values=getattr(out, "past_key_values", None))
+                            past_key_values=output_cache(out))
 
     def _install_final_hook(self) -> None:
         def hook(_m, _i, output):
