@@ -837,6 +837,8 @@ CASES: list[Case] = [
          _import(lambda d: _edit_json("config.json", lambda cfg: cfg.pop("hidden_size"))(d))),
     Case("import_weights_garbage", "export", "import-drafter: model.safetensors is garbage", "import-drafter", E,
          r"model\.safetensors: unreadable safetensors", _import(lambda d: (d / "model.safetensors").write_bytes(b"junk" * 4))),
+    Case("import_bad_aux_ids", "export", "import-drafter --aux-layer-ids a,b", "import-drafter", E,
+         r"--aux-layer-ids 'a,b': not a comma-separated list", lambda c: [*_import()(c), "--aux-layer-ids", "a,b"]),
     Case("import_src_missing", "export", "import-drafter of a folder that does not exist", "import-drafter", E,
          r"nowhere: no such folder", lambda c: [str(c.tmp / "nowhere"), "--target", str(c.target), "--out", str(c.tmp / "o")]),
     # -- bench-serve (URLs, metrics, credentials) ------------------------------------------------------
@@ -862,6 +864,14 @@ CASES: list[Case] = [
          check=_bench_ok),
     Case("bench_api_key_ok", "serve", "a server that needs the API key given by --api_key_env", "bench-serve", "ok",
          setup=_bench("--api_key_env", "K", stub={"api_key": "right-key"}, env={"K": "right-key"}), check=_bench_ok),
+    # -- plan ------------------------------------------------------------------------------------------
+    Case("plan_config_size_not_number", "plan", "plan --target a config whose hidden_size is `x`", "plan", E,
+         r"cfg\.json: a size in the config is not a number", lambda c: ["--target", str(_write(c, "cfg.json", '{"hidden_size": "x", '
+                                                                  '"num_hidden_layers": 2, "vocab_size": 10}'))]),
+    Case("plan_config_is_list", "plan", "plan --target a config.json that is a JSON list", "plan", E,
+         r"list\.json: a JSON list, not a model config", lambda c: ["--target", str(_write(c, "list.json", "[]"))]),
+    Case("plan_config_missing", "plan", "plan --target a file that does not exist", "plan", E, r"nope\.json: file not found",
+         lambda c: ["--target", str(c.tmp / "nope.json")]),
     # -- status and doctor ---------------------------------------------------------------------------
     Case("status_no_run_dir", "status", "status of a folder that does not exist", "status", E, r"nope: no such run directory",
          lambda c: [str(c.tmp / "nope")]),

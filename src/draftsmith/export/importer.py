@@ -229,7 +229,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run code shipped with the target folder (off: only trust a folder you know)")
     args = p.parse_args(argv)
-    ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    try:
+        ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    except ValueError:
+        raise DraftsmithError(f"--aux-layer-ids {args.aux_layer_ids!r}: not a comma-separated list of layer numbers; "
+                              "give e.g. 1,29,57") from None
     if args.run_dir:
         info = import_into_run(args.src, args.target, args.run_dir, ids, args.trust_remote_code)["imported"]
         dest = Path(args.run_dir) / "train" / "drafter"
