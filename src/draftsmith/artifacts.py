@@ -289,6 +289,11 @@ def write_manifest(directory: str | Path, manifest: dict) -> None:
 
 def finish_manifest(directory: str | Path, manifest: dict) -> dict:
     """Mark `manifest` complete and write it (rank 0 only); returns it on every rank."""
+    shards = manifest.get("shards")
+    for s in shards if isinstance(shards, list) else []:  # never "complete" over a listed shard that is gone
+        if isinstance(s, dict) and isinstance(s.get("file"), str) and not safe_join(directory, s["file"]).is_file():
+            raise DraftsmithError(f"{Path(directory) / MANIFEST}: shard {s['file']} is listed but missing; rerun the stage "
+                                  "(it captures or writes the missing shard again)")
     manifest["status"] = "complete"
     manifest["finished_at"] = time.time()
     manifest["timings"].setdefault("wall_s", round(manifest["finished_at"] - manifest["started_at"], 3))

@@ -789,6 +789,12 @@ CASES: list[Case] = [
          _copy_then(("data",), lambda c: _flip_last_byte(c.run_dir / "data" / "token_counts.safetensors"))),
     Case("capture_shard_flipped_on_resume", "manifest", "a capture shard changed under a half-done train", "train", E,
          r"capture/shard-00000\.safetensors: checksum does not match", _resume_with_flipped_capture),
+    Case("capture_resume_shard_missing", "manifest", "a half-done capture whose listed shard was deleted", "capture", "ok",
+         setup=_copy_then(("data", "capture"), lambda c: (c.edit_manifest("capture", lambda m: m.update(status="running")),
+                                                         _shard_path(c, "capture", 1).unlink()))),
+    Case("capture_resume_shard_corrupt", "manifest", "a half-done capture whose listed shard changed", "capture", "ok",
+         setup=_copy_then(("data", "capture"), lambda c: (c.edit_manifest("capture", lambda m: m.update(status="running")),
+                                                         _flip_last_byte(_shard_path(c, "capture", 0))))),
     # -- more targets --------------------------------------------------------------------------------
     Case("target_config_corrupt_prepare", "target", "target config.json is not valid JSON (prepare)", "prepare", E,
          r"config\.json: not a valid model config", _target_edit(_edit_json("config.json", "{"), ())),
