@@ -6,8 +6,8 @@ Each input is written as a ShareGPT .json, a .jsonl and a .jsonl.gz file and rea
 `read_conversations` (and the prompt path `_prompt_turns` for JSONL). Reading may only ever
 yield conversations or raise DraftsmithError with a one-line message; any other exception is a
 bug and atheris stops with the input that caused it. Seeds: tests/badinput/sources/.
-Deeply nested JSON arrays are cut at MAX_DEPTH: ijson's C backend is quadratic in nesting depth
-(see docs/security.md), which would time the fuzzer out on inputs of "[[[[...".
+Inputs nested deeper than MAX_DEPTH are not fed (the readers skip them unparsed, see
+readers.MAX_DEPTH; the cut keeps the fuzzer on inputs that reach the parser).
 """
 from __future__ import annotations
 

@@ -153,3 +153,61 @@ def test_percentiles_match_numpy_linear():
     p = percentiles(v)
     assert (p["p50"], p["p90"], p["mean"]) == (3.5, 7.5, 25 / 6) and p["p99"] == pytest.approx(9.75)
     assert percentiles([])["p50"] is None
+
+
+def _all_outputs(capsys, run_dir) -> str:
+    """Everything bench-serve wrote: stdout, stderr, results.json and the ledger."""
+    printed = capsys.readouterr()
+    files = "".join(p.read_text() for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl"))
+    return printed.out + printed.err + files
+
+
+def test_api_key_from_env_sent_as_bearer_and_never_written(prompts, tmp_path, capsys, monkeypatch):
+    key = "sk-very-secret-4242"
+    run_dir = tmp_path / "run"
+    args = ["bench-serve", "--prompts", prompts, "--concurrency", "[1]", "--requests_per_level", "3", "--max_tokens", "8",
+            "--warmup_requests", "1", "--run_dir", str(run_dir), "--progress", "false", "--api", "completions"]
+    with StubServer(step_s=0.001, api_key=key) as s:
+        # without the key the server refuses: a one-line error, exit 2
+        assert cli.main([*args, "--url", s.url, "--model", "stub"]) == 2
+        assert s.unauthorized > 0
+        monkeypatch.setenv("BENCH_KEY", key)
+        n = s.unauthorized
+        assert cli.main([*args, "--url", s.url, "--api_key_env", "BENCH_KEY"]) == 0
+        assert s.unauthorized == n  # every request carried the bearer token
+        monkeypatch.delenv("BENCH_KEY")
+        assert cli.main([*args, "--url", s.url, "--api_key_env", "BENCH_KEY"]) == 2
+    out = _all_outputs(capsys, run_dir)
+    assert "BENCH_KEY is not set" in out and key not in out
+    res = json.loads((run_dir / "bench_serve" / "results.json").read_text())
+    assert res["levels"]["A"][0]["ok"] == 3 and res["config"]["api_key_env"] == "BENCH_KEY"
+
+
+def test_credentials_in_urls_are_redacted_everywhere(prompts, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    with StubServer(step_s=0.001) as s:
+        url = s.url.replace("http://", "http://alice:hunter2pw@")
+        metrics = s.url.replace("/v1", "/metrics").replace("http://", "http://bob:metricspw@")
+        assert cli.main(["bench-serve", "--url", url, "--metrics_url", metrics, "--prompts", prompts, "--concurrency", "[1]",
+                         "--requests_per_level", "2", "--max_tokens", "8", "--warmup_requests", "0", "--run_dir", str(run_dir),
+                         "--progress", "false"]) == 0
+        # a failing run names its URL in the error: redacted too
+        monkeypatch.setenv("WRONG", "wrong-key-555")
+    bad = "http://carol:s3cretpw@127.0.0.1:9/v1?api_key=qwerty987"
+    assert cli.main(["bench-serve", "--url", bad, "--prompts", prompts, "--concurrency", "[1]", "--run_dir", str(run_dir),
+                     "--progress", "false", "--api_key_env", "WRONG"]) == 2
+    out = _all_outputs(capsys, run_dir)
+    for secret in ("hunter2pw", "qwerty987", "metricspw", "s3cretpw", "wrong-key-555", "alice:", "carol:"):
+        assert secret not in out, secret
+    assert "***@127.0.0.1" in out
+    res = json.loads((run_dir / "bench_serve" / "results.json").read_text())
+    assert res["levels"]["A"][0]["ok"] == 2
+
+
+def test_metrics_with_a_non_numeric_position_label():
+    text = ('vllm:spec_decode_num_drafts_total 10\nvllm:spec_decode_num_draft_tokens_total 30\n'
+            'vllm:spec_decode_num_accepted_tokens_total 12\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="zero"} 5\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4\n')
+    w = spec_window(None, parse_prometheus(text))
+    assert w["mean_acceptance_length"] == pytest.approx(2.2)

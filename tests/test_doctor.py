@@ -9,7 +9,7 @@ import time
 import yaml
 
 from draftsmith import doctor
-from draftsmith.artifacts import Ledger
+from draftsmith.artifacts import Ledger, process_cmdline, process_start_time
 from draftsmith.cli import main
 from draftsmith.testing import make_model_dir
 
@@ -45,23 +45,54 @@ def test_doctor_recipe_disk_and_memory(tmp_path, capsys):
     assert "❌ disk" in capsys.readouterr().out
 
 
+def _started(ledger: Ledger, run, stage: str, proc, **override) -> None:
+    """A stage_started event as the pipeline writes it for `proc` (pid, start time, command line, run dir)."""
+    ledger.append("stage_started", stage=stage, **{"pid": proc.pid, "pid_start": process_start_time(proc.pid),
+                                                   "cmdline": process_cmdline(proc.pid), "run_dir": str(run.resolve()),
+                                                   **override})
+
+
+def _wait_exec(*procs) -> None:
+    """Until each child has exec'd its command (its /proc cmdline is no longer the parent's)."""
+    for p in procs:
+        for _ in range(200):
+            if "sleep" in (process_cmdline(p.pid) or ""):
+                break
+            time.sleep(0.01)
+
+
 def test_stale_processes_only_from_the_ledger(tmp_path, capsys):
     path, run = _recipe(tmp_path)
     run.mkdir()
     # A draftsmith process whose stage finished but which lives on, one still running its stage,
-    # and an unrelated process whose PID was recorded: only the first is stale, only it is killed.
-    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "draftsmith", "train"])
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "draftsmith", "evaluate"])
+    # an unrelated process whose PID was recorded without its identity, a process holding a PID
+    # the ledger recorded for an earlier process (reused PID: same PID and command line, another
+    # start time), one whose command line changed, and one recorded by another run directory:
+    # only the first is stale, only it is killed.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "draftsmith"]
+    stale = subprocess.Popen([*sleeper, "train"])
+    running = subprocess.Popen([*sleeper, "evaluate"])
+    reused = subprocess.Popen([*sleeper, "capture"])
+    changed = subprocess.Popen([*sleeper, "vocab"])
+    elsewhere = subprocess.Popen([*sleeper, "prepare"])
     other = subprocess.Popen(["sleep", "60"])
+    procs = (stale, running, reused, changed, elsewhere, other)
+    _wait_exec(*procs)
     try:
         ledger = Ledger(run)
-        ledger.append("stage_started", stage="train", pid=stale.pid)
+        _started(ledger, run, "train", stale)
         ledger.append("stage_finished", stage="train")
-        ledger.append("stage_started", stage="export", pid=other.pid)
-        ledger.append("stage_started", stage="evaluate", pid=running.pid)
-        procs = {p["pid"]: p for p in doctor.recorded_processes(run)}
-        assert set(procs) == {stale.pid, running.pid}
-        assert procs[stale.pid]["stale"] and not procs[running.pid]["stale"]
+        ledger.append("stage_started", stage="export", pid=other.pid)  # no identity recorded: never matched
+        _started(ledger, run, "capture", reused, pid_start=process_start_time(reused.pid) - 5)
+        ledger.append("stage_finished", stage="capture")
+        _started(ledger, run, "vocab", changed, cmdline="python -m draftsmith vocab other.yaml")
+        ledger.append("stage_finished", stage="vocab")
+        _started(ledger, run, "prepare", elsewhere, run_dir=str(tmp_path / "another_run"))
+        ledger.append("stage_finished", stage="prepare")
+        _started(ledger, run, "evaluate", running)
+        listed = {p["pid"]: p for p in doctor.recorded_processes(run)}
+        assert set(listed) == {stale.pid, running.pid}
+        assert listed[stale.pid]["stale"] and not listed[running.pid]["stale"]
 
         assert main(["doctor", str(path)]) == 0
         out = capsys.readouterr().out
@@ -72,11 +103,24 @@ def test_stale_processes_only_from_the_ledger(tmp_path, capsys):
         assert f"sent SIGTERM to stale pid {stale.pid}" in capsys.readouterr().out
         assert stale.wait(timeout=10) != 0
         time.sleep(0.1)
-        assert running.poll() is None and other.poll() is None
+        assert all(p.poll() is None for p in (running, reused, changed, elsewhere, other))
     finally:
-        for p in (stale, running, other):
+        for p in procs:
             p.kill()
             p.wait()
+
+
+def test_pipeline_records_the_process_identity(tmp_path):
+    """The ledger's stage_started carries what doctor matches: pid, start time, command line, run dir."""
+    import os
+
+    from pathlib import Path
+
+    path, run = _recipe(tmp_path, source=str(Path(__file__).parent / "badinput" / "sources" / "good.json"), max_length=64)
+    assert main(["prepare", str(path)]) == 0
+    e = next(x for x in Ledger(run).read() if x["event"] == "stage_started")
+    assert e["pid"] == os.getpid() and e["pid_start"] == process_start_time(os.getpid())
+    assert e["cmdline"] == process_cmdline(os.getpid()) and e["run_dir"] == str(run.resolve())
 
 
 def test_doctor_without_recipe(capsys):

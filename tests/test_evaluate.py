@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +229,35 @@ def test_bench_resident_smoke(recipe, tmp_path):
             assert host["tau"] == resident["tau"] and (B != "1" or resident["tau"] >= 1)
             assert resident["speedup"] > 0 and resident["ms_per_round"] > 0
     assert res["batches"]["1"]["plain_roofline"]["weight_bytes_per_step"] > 0
+
+
+def test_prompts_past_the_targets_positions_are_refused_and_counted(tmp_path):
+    """A prompt that cannot fit max_position_embeddings with max_new_tokens is skipped, counted in
+    the manifest and listed in results.json; the others are measured."""
+    import json as _json
+
+    import yaml
+
+    from draftsmith.artifacts import load_manifest
+    from draftsmith.cli import main
+    from draftsmith.testing import make_model_dir
+
+    target = make_model_dir(tmp_path / "t", num_layers=4, hidden_size=32, max_position_embeddings=128)
+    data = Path(__file__).parent / "badinput" / "sources" / "good.json"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(_json.dumps({"prompt": "hello there"}) + "\n" + _json.dumps({"prompt": "word " * 400}) + "\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "target": {"path": str(target), "device": "cpu", "dtype": "float32"},
+        "prepare": {"source": str(data), "max_length": 64}, "capture": {"storage_dtype": "float32"},
+        "vocab": {"draft_vocab_size": 64},
+        "train": {"ttt_steps": 2, "max_steps": 2, "batch_tokens": 128, "warmup_steps": 1, "device": "cpu", "dtype": "float32"},
+        "evaluate": {"benchmarks": [str(prompts)], "max_new_tokens": 16, "draft_steps": 3, "step_costs": False,
+                     "methods": ["eagle3_chain", "plain"]}}))
+    assert main(["run", str(recipe)]) == 0
+    m = load_manifest(tmp_path / "run" / "eval")
+    assert m["counts"]["prompts"] == 1 and m["counts"]["prompts_too_long"] == 1
+    res = _json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert res["prompts_too_long"][0]["prompt_tokens"] > res["prompts_too_long"][0]["limit"] == 128 - 16 - 3 - 1
+    # max_new_tokens that leaves no room at all is one line
+    assert main(["evaluate", str(recipe), "--evaluate.max_new_tokens", "200"]) == 2

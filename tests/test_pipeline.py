@@ -26,7 +26,7 @@ CONVERSATIONS = [
 ] * 10
 
 
-def write_recipe(tmp: Path, target: Path, run_dir: Path, max_steps: int = 12) -> Path:
+def write_recipe(tmp: Path, target: Path, run_dir: Path, max_steps: int = 12, samples_per_shard: int = 16) -> Path:
     data = tmp / "convs.json"
     data.write_text(json.dumps([{"id": str(i), "conversations": c} for i, c in enumerate(CONVERSATIONS)]))
     prompts = tmp / "prompts.jsonl"
@@ -34,7 +34,7 @@ def write_recipe(tmp: Path, target: Path, run_dir: Path, max_steps: int = 12) ->
     recipe = {
         "name": "tiny", "run_dir": str(run_dir),
         "target": {"path": str(target), "device": "cpu", "dtype": "float32"},
-        "prepare": {"source": str(data), "max_length": 128, "samples_per_shard": 16},
+        "prepare": {"source": str(data), "max_length": 128, "samples_per_shard": samples_per_shard},
         "capture": {"batch_tokens": 1024, "storage_dtype": "float32"},
         "vocab": {"draft_vocab_size": 128},
         "train": {"ttt_steps": 3, "max_steps": max_steps, "batch_tokens": 256, "lr": 3e-3, "warmup_steps": 2,
@@ -127,44 +127,154 @@ def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     assert err.startswith("error:") and "\n" not in err
 
 
-def _run_until(cmd: list[str], ledger: Path, stage: str, extra_wait: float, timeout: float = 240) -> None:
-    """Start cmd, kill -9 it `extra_wait` seconds after `stage` started (per the ledger)."""
+def _run_until(cmd: list[str], run_dir: Path, stage: str, progressed, timeout: float = 240) -> int:
+    """Start cmd; once `progressed(run_dir)` says the stage is part-way (work listed, not finished),
+    freeze it (SIGSTOP, at once) and kill -9 it; returns its exit status. Fails when the process
+    ends before that."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     t0 = time.time()
     try:
         while time.time() - t0 < timeout:
             if proc.poll() is not None:
-                return
-            if ledger.exists() and any(e["event"] == "stage_started" and e["stage"] == stage for e in Ledger(ledger.parent).read()):
-                time.sleep(extra_wait)
+                raise AssertionError(f"the process ended (status {proc.returncode}) before {stage} was killed")
+            if progressed(run_dir):
+                os.killpg(proc.pid, signal.SIGSTOP)
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"{stage} never started")
+                return proc.wait()
+            time.sleep(0.02)
+        raise AssertionError(f"{stage} never got part-way")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
-@pytest.mark.parametrize("stage,wait", [("capture", 0.8), ("train", 2.5)])
-def test_kill_and_resume_gives_same_figures(tmp_path, target, stage, wait):
+def _capture_part_way(run_dir: Path) -> bool:
+    """capture has listed a shard (of 13)."""
+    try:
+        m = json.loads((run_dir / "capture" / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return m.get("status") == "running" and len(m.get("shards", [])) >= 1
+
+
+def _train_part_way(run_dir: Path) -> bool:
+    """train has written its first checkpoint (step 3 of 30)."""
+    return (run_dir / "train" / "latest").exists()
+
+
+@pytest.mark.parametrize("stage,progressed", [("capture", _capture_part_way), ("train", _train_part_way)])
+def test_kill_and_resume_gives_same_figures(tmp_path, target, stage, progressed):
     (tmp_path / "ref").mkdir()
-    ref_recipe = write_recipe(tmp_path / "ref", target, tmp_path / "ref" / "run", max_steps=30)
+    ref_recipe = write_recipe(tmp_path / "ref", target, tmp_path / "ref" / "run", max_steps=30, samples_per_shard=4)
     assert main(["run", str(ref_recipe)]) == 0
     (tmp_path / "k").mkdir()
     run_dir = tmp_path / "k" / "run"
-    recipe = write_recipe(tmp_path / "k", target, run_dir, max_steps=30)
+    recipe = write_recipe(tmp_path / "k", target, run_dir, max_steps=30, samples_per_shard=4)
     cmd = [sys.executable, "-m", "draftsmith.cli", "run", str(recipe)]
-    _run_until(cmd, run_dir / "ledger.jsonl", stage, wait)
-    done_before = {e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_finished"}
+    assert _run_until(cmd, run_dir, stage, progressed) == -signal.SIGKILL
+    # the kill landed inside the stage: it started, never finished, and its manifest is not complete
+    events = Ledger(run_dir).read()
+    assert any(e["event"] == "stage_started" and e["stage"] == stage for e in events)
+    assert not any(e["event"] == "stage_finished" and e["stage"] == stage for e in events)
+    assert load_manifest(run_dir / stage)["status"] == "running"
+    done_before = {e["stage"] for e in events if e["event"] == "stage_finished"}
     assert main(["run", str(recipe)]) == 0
     events = Ledger(run_dir).read()
-    restarted = [e["stage"] for e in events if e["event"] == "stage_started"]
+    restarted = [e for e in events if e["event"] == "stage_started"]
+    assert [e["resumed"] for e in restarted if e["stage"] == stage] == [False, True]
     for s in done_before:  # no finished stage is redone
-        assert restarted.count(s) == 1, s
+        assert [e["stage"] for e in restarted].count(s) == 1, s
     assert figures(run_dir) == figures(tmp_path / "ref" / "run")
     # capture shards are byte-identical to the uninterrupted run
-    for a in sorted((run_dir / "capture").glob("shard-*.safetensors")):
+    shards = sorted((run_dir / "capture").glob("shard-*.safetensors"))
+    assert len(shards) == 13
+    for a in shards:
         assert a.read_bytes() == (tmp_path / "ref" / "run" / "capture" / a.name).read_bytes()
+
+
+def _shards(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_failed_rerun_keeps_the_complete_output(tmp_path, target, monkeypatch, capsys):
+    """A rerun of a complete stage for other inputs (or --force) that fails leaves the complete
+    output as it was; one that succeeds replaces it, and nothing is left set aside."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    assert main(["prepare", str(recipe)]) == 0
+    before = _shards(run_dir / "data")
+    fp = load_manifest(run_dir / "data")["fingerprint"]
+    # other inputs that the stage refuses (no sample fits): refused inside the stage run
+    assert main(["prepare", str(recipe), "--prepare.min_loss_tokens", "100000"]) == 2
+    assert "no sample kept" in capsys.readouterr().err
+    assert _shards(run_dir / "data") == before and load_manifest(run_dir / "data")["fingerprint"] == fp
+    assert not (run_dir / ".data.previous").exists()
+    # --force and the disk fills up mid-stage
+    fsync = os.fsync
+    calls = {"n": 0}
+
+    def full(fd):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(28, "No space left on device")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert main(["prepare", str(recipe), "--force", "true"]) == 2
+    monkeypatch.undo()
+    assert _shards(run_dir / "data") == before and not (run_dir / ".data.previous").exists()
+    assert main(["capture", str(recipe)]) == 0  # downstream still reads it
+    # a rerun that succeeds replaces it
+    assert main(["prepare", str(recipe), "--prepare.max_length", "96"]) == 0
+    assert load_manifest(run_dir / "data")["fingerprint"] != fp and not (run_dir / ".data.previous").exists()
+
+
+def test_a_killed_replacement_gives_the_old_output_back(tmp_path, target):
+    """kill -9 while a new run replaces a complete stage: the old output waits in .STAGE.previous
+    and is back in place for the next command when the new run left nothing to resume."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    assert main(["prepare", str(recipe)]) == 0
+    before = _shards(run_dir / "data")
+    # what a kill -9 right after the set-aside leaves: the old output aside, no new folder
+    (run_dir / "data").rename(run_dir / ".data.previous")
+    assert main(["capture", str(recipe)]) == 0
+    assert _shards(run_dir / "data") == before and not (run_dir / ".data.previous").exists()
+
+
+LOCK_HOLDER = """
+import sys, time
+from draftsmith.artifacts import RunLock
+with RunLock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_run_dir_lock(tmp_path, target, capsys):
+    """A second process on a locked run directory names the holder and exits 2; with --wait-lock
+    it waits for the holder and then runs."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run_dir), "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(["prepare", str(recipe)]) == 2
+        err = capsys.readouterr().err
+        assert f"locked by pid {holder.pid}" in err and f"{sys.executable} -c" in err and "--wait-lock" in err
+        assert not (run_dir / "data").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(run_dir), "1.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.time()
+        assert main(["prepare", str(recipe), "--wait-lock"]) == 0
+        assert time.time() - t0 > 0.5 and holder.poll() is not None  # it ran after the holder let go
+        assert load_manifest(run_dir / "data")["status"] == "complete"
+    finally:
+        holder.kill()
+        holder.wait()

@@ -147,3 +147,28 @@ def test_nothing_kept_is_an_error_with_a_hint(target, tmp_path):
     with pytest.raises(DraftsmithError, match=r"prepare.samples_per_shard 0: must be >= 1"):
         prepare.run(make_recipe(target, DATA / "sharegpt_truncated.json", tmp_path / "r2", samples_per_shard=0),
                     tmp_path / "r2", "fp")
+
+
+def test_long_text_is_cut_to_max_length_before_tokenizing(tmp_path, monkeypatch):
+    """A 2 MB answer with max_length 64: the tokenizer sees a bounded prefix, and the sample is the
+    same as the one cut after tokenizing the whole text."""
+    from draftsmith.data import template
+    from draftsmith.testing import make_model_dir
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(make_model_dir(tmp_path / "m", num_layers=2, hidden_size=32)))
+    msgs = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": "once upon a time " * 120_000}]
+    seen = []
+    call = type(tok).__call__
+
+    def spy(self, text, *a, **kw):
+        seen.append(len(text))
+        return call(self, text, *a, **kw)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    r = template.render(tok, msgs, 64)
+    assert max(seen) < 20_000 and r.truncated and len(r.input_ids) == 64
+    monkeypatch.setattr(template, "max_token_chars", lambda t: 10**9)  # no cut: the whole text tokenized
+    full = template.render(tok, msgs, 64)
+    assert (full.input_ids, full.loss_mask, full.truncated) == (r.input_ids, r.loss_mask, r.truncated)

@@ -39,7 +39,7 @@ def test_truncated_sharegpt_keeps_complete_records_and_reports_the_cut():
     convs, stats = read_all(path)
     assert stats.read == 5 and stats.next_index == 5
     assert stats.truncated_source == {"file": str(path), "complete_records": 5, "byte_offset": path.stat().st_size,
-                                      "error": "parse error: premature EOF"}
+                                      "error": "premature end of the file"}
     assert [c.source_id for c in convs] == ["a_0", "a_1", "c_0", "d_0"]
     assert [c.index for c in convs] == [0, 1, 3, 4]
     assert convs[1].messages == [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 is 4."}]
@@ -60,19 +60,88 @@ def test_complete_sharegpt_has_no_truncation(tmp_path):
     assert len(convs) == 1 and stats.truncated_source is None
 
 
-def test_malformed_json_mid_array_is_an_error(tmp_path):
+GOOD = {"id": "g", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+
+
+def test_malformed_record_mid_array_is_a_counted_skip(tmp_path):
+    """The records after a broken one still count; the broken one is counted with its line."""
     p = tmp_path / "bad.json"
-    p.write_text('[{"id": "x", "conversations": []},\n {"id": "y", "conversations": [}]\n')
-    with pytest.raises(DraftsmithError, match=r"bad.json: record 1 .*invalid JSON.*fix or remove that record") as e:
-        read_all(p)
-    assert "\n" not in str(e.value)
+    p.write_text(f'[{json.dumps(GOOD)},\n {{"id": "y", "conversations": [}}],\n{json.dumps(GOOD)}\n]')
+    convs, stats = read_all(p)
+    assert len(convs) == 2 and stats.counts["skipped_invalid_json"] == 1 and stats.read == 2
+    assert stats.skipped_where[0].startswith(f"{p}: record 1 (line 2): invalid JSON")
 
 
-def test_non_utf8_json_is_an_error(tmp_path):
+def test_non_utf8_record_is_a_counted_skip(tmp_path):
     p = tmp_path / "latin1.json"
-    p.write_bytes(b'[{"id": "x", "conversations": [{"from": "human", "value": "caf\xe9"}]}]')
-    with pytest.raises(DraftsmithError, match=r"latin1.json: record 0 .*UTF-8"):
-        read_all(p)
+    p.write_bytes(b'[{"id": "x", "conversations": [{"from": "human", "value": "caf\xe9"}]},' + json.dumps(GOOD).encode() + b"]")
+    convs, stats = read_all(p)
+    assert len(convs) == 1 and stats.counts["skipped_not_utf8"] == 1
+    assert "record 0 (line 1): not valid UTF-8" in stats.skipped_where[0]
+
+
+def test_bom_crlf_and_trailing_comma(tmp_path):
+    p = tmp_path / "win.json"
+    p.write_bytes(b"\xef\xbb\xbf[\r\n" + json.dumps(GOOD).encode() + b",\r\n" + json.dumps(GOOD).encode() + b",\r\n]\r\n")
+    convs, stats = read_all(p)
+    assert len(convs) == 2 and stats.truncated_source is None and not stats.skipped_where
+    q = tmp_path / "win.jsonl"
+    q.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD).encode() + b"\r\n") * 3)
+    convs, stats = read_all(q)
+    assert len(convs) == 3 and not stats.skipped_where
+
+
+def test_deep_and_large_records_are_skipped_before_parsing(tmp_path, monkeypatch):
+    from draftsmith.data import readers
+
+    deep = "[" * 100_000 + "]" * 100_000
+    p = tmp_path / "deep.json"
+    p.write_text(f'[{json.dumps(GOOD)}, {{"id": "d", "conversations": {deep}}}, {json.dumps(GOOD)}]')
+    convs, stats = read_all(p)
+    assert len(convs) == 2 and stats.counts["skipped_too_deep"] == 1
+    q = tmp_path / "deep.jsonl"
+    q.write_text(json.dumps(GOOD) + "\n" + f'{{"messages": {deep}}}' + "\n" + json.dumps(GOOD) + "\n")
+    convs, stats = read_all(q)
+    assert len(convs) == 2 and stats.counts["skipped_too_deep"] == 1
+    monkeypatch.setattr(readers, "MAX_RECORD_BYTES", 1000)
+    big = {"messages": [{"role": "user", "content": "x" * 5000}, {"role": "assistant", "content": "y"}]}
+    for path in (jsonl(tmp_path / "big.jsonl", [GOOD, big, GOOD]), tmp_path / "big.json"):
+        if path.suffix == ".json":
+            path.write_text(json.dumps([GOOD, big, GOOD]))
+        convs, stats = read_all(path)
+        assert len(convs) == 2 and stats.counts["skipped_too_large"] == 1, path
+
+
+def test_deeply_nested_200kb_record_stays_under_500mb(tmp_path):
+    """One hostile 200 kB record of nested brackets, through the whole prepare in a fresh process:
+    its peak RSS stays under 500 MB whatever the shape (it drove an earlier reader past 14 GB)."""
+    import subprocess
+    import sys
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for name, text in (("deep.json", f'[{json.dumps(GOOD)}, {{"id": "d", "conversations": {deep}}}]'),
+                       ("deep.jsonl", json.dumps(GOOD) + "\n" + f'{{"messages": {deep}}}\n')):
+        p = tmp_path / name
+        p.write_text(text)
+        # peak RSS from VmHWM (this process image's own), not ru_maxrss, which a child inherits from its parent
+        code = ("import sys\n"
+                "from pathlib import Path\n"
+                "from draftsmith.data.readers import ReadStats, read_conversations, resolve_source\n"
+                "path, fmt = resolve_source(sys.argv[1])\n"
+                "stats = ReadStats()\n"
+                "n = len(list(read_conversations(path, fmt, stats)))\n"
+                "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM'))\n"
+                "print(n, stats.counts['skipped_too_deep'], hwm.split()[1])\n")
+        out = subprocess.run([sys.executable, "-c", code, str(p)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        n, skipped, rss_kib = (int(x) for x in out.stdout.split())
+        assert (n, skipped) == (1, 1) and rss_kib * 1024 < 500e6, (name, rss_kib)
+
+
+def test_unreadable_records_are_counted_by_reason(tmp_path):
+    p = tmp_path / "all_bad.jsonl"
+    p.write_bytes(b'{"messages": [\n\xff\xfe\n{"messages": \n')
+    assert read_all(p)[1].counts == {"skipped_invalid_json": 2, "skipped_not_utf8": 1}
 
 
 def test_json_that_is_not_an_array_is_an_error(tmp_path):
@@ -97,16 +166,34 @@ def test_jsonl_messages_and_conversations(tmp_path):
     assert convs[2].messages[0]["content"] == "parts"
 
 
-def test_jsonl_malformed_line_names_file_and_line(tmp_path):
-    p = jsonl(tmp_path / "d.jsonl", [{"messages": []}], tail=b'{"messages": [\n{"messages": []}\n')
-    with pytest.raises(DraftsmithError, match=r"d.jsonl:2: invalid JSON .*; fix or delete the line"):
-        read_all(p)
+def test_jsonl_malformed_line_is_a_counted_skip_with_its_line(tmp_path):
+    good = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+    p = jsonl(tmp_path / "d.jsonl", [good], tail=b'{"messages": [\n' + json.dumps(good).encode() + b"\n")
+    convs, stats = read_all(p)
+    assert len(convs) == 2 and stats.counts["skipped_invalid_json"] == 1
+    assert stats.skipped_where[0].startswith(f"{p}:2: invalid JSON")
 
 
-def test_jsonl_non_utf8_line_names_file_and_line(tmp_path):
-    p = jsonl(tmp_path / "d.jsonl", [{"messages": []}], tail=b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
-    with pytest.raises(DraftsmithError, match=r"d.jsonl:2: not valid UTF-8 .*re-encode the file as UTF-8"):
-        read_all(p)
+def test_jsonl_non_utf8_line_is_a_counted_skip_with_its_line(tmp_path):
+    good = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+    p = jsonl(tmp_path / "d.jsonl", [good], tail=b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    convs, stats = read_all(p)
+    assert len(convs) == 1 and stats.counts["skipped_not_utf8"] == 1
+    assert stats.skipped_where[0].startswith(f"{p}:2: not valid UTF-8")
+
+
+def test_gzip_bomb_is_refused(tmp_path, monkeypatch):
+    import gzip
+
+    from draftsmith.data import readers
+
+    monkeypatch.setattr(readers, "GZIP_MIN_BOMB", 1 << 20)
+    p = tmp_path / "bomb.jsonl.gz"
+    with gzip.open(p, "wb") as f:
+        for _ in range(8):
+            f.write(b"0" * (1 << 20))
+    with pytest.raises(DraftsmithError, match=r"bomb.jsonl.gz: expands to more than 500x"):
+        read_all(p, fmt="jsonl")
 
 
 def test_jsonl_cut_off_last_line_is_a_reported_truncation(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from draftsmith import config as config_module
+from draftsmith.data import regenerate
 from draftsmith.artifacts import DraftsmithError, verify_shards
 from draftsmith.testing import make_model_dir
 
@@ -195,7 +196,6 @@ class _Server:
 
 
 def test_regenerate_refuses_redirects_and_ignores_proxies(monkeypatch):
-    regenerate = pytest.importorskip("draftsmith.data.regenerate")
     elsewhere, proxy = _Server(), _Server()
     redirector = _Server(redirect_to=elsewhere.url)
     monkeypatch.setenv("HTTP_PROXY", proxy.url)
@@ -219,6 +219,5 @@ def test_regenerate_refuses_redirects_and_ignores_proxies(monkeypatch):
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://example.com/v1", "127.0.0.1:8000/v1"])
 def test_regenerate_only_speaks_http(url):
-    regenerate = pytest.importorskip("draftsmith.data.regenerate")
     with pytest.raises(DraftsmithError, match="not an http"):
         regenerate.ServerGenerator(config_module.RegenerateConfig(enabled=True, server_url=url, server_model="m"))

@@ -18,7 +18,7 @@ import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 MANIFEST = "manifest.json"
 LEDGER = "ledger.jsonl"
@@ -289,6 +289,11 @@ def write_manifest(directory: str | Path, manifest: dict) -> None:
 
 def finish_manifest(directory: str | Path, manifest: dict) -> dict:
     """Mark `manifest` complete and write it (rank 0 only); returns it on every rank."""
+    shards = manifest.get("shards")
+    for s in shards if isinstance(shards, list) else []:  # never "complete" over a listed shard that is gone
+        if isinstance(s, dict) and isinstance(s.get("file"), str) and not safe_join(directory, s["file"]).is_file():
+            raise DraftsmithError(f"{Path(directory) / MANIFEST}: shard {s['file']} is listed but missing; rerun the stage "
+                                  "(it captures or writes the missing shard again)")
     manifest["status"] = "complete"
     manifest["finished_at"] = time.time()
     manifest["timings"].setdefault("wall_s", round(manifest["finished_at"] - manifest["started_at"], 3))
@@ -317,6 +322,24 @@ def verify_shards(directory: str | Path, manifest: dict, check_hash: bool = True
     return paths
 
 
+def verify_listed_file(path: str | Path) -> None:
+    """Check a stage file (token counts, vocab, ...) against the sha256 its folder's manifest lists
+    for it. A file the manifest does not list (an older run) is not checked."""
+    path = Path(path)
+    m = load_manifest(path.parent)
+    files = (m or {}).get("files")
+    if not isinstance(files, list):
+        return
+    entry = next((f for f in files if isinstance(f, dict) and f.get("file") == path.name), None)
+    if entry is None or not isinstance(entry.get("sha256"), str):
+        return
+    if not path.exists():
+        raise DraftsmithError(f"{path.parent / MANIFEST}: {path.name} is listed but missing; delete {path.parent} and rerun its stage")
+    if sha256_file(path) != entry["sha256"]:
+        raise DraftsmithError(f"{path}: checksum does not match {path.parent / MANIFEST}; the file is corrupt or was edited, "
+                              f"delete {path.parent} and rerun its stage")
+
+
 def safe_join(root: str | Path, rel: str) -> Path:
     """Join a manifest-relative path to root, refusing anything that escapes root."""
     root = Path(root).resolve()
@@ -324,6 +347,88 @@ def safe_join(root: str | Path, rel: str) -> Path:
     if p != root and root not in p.parents:
         raise DraftsmithError(f"{root / MANIFEST}: path {rel!r} escapes the run directory; the manifest was edited, delete it and rerun")
     return p
+
+
+# ----------------------------------------------------------------------------- run lock
+
+LOCK = ".lock"
+_held_locks: dict[str, list] = {}  # resolved run dir -> [open lock file, depth]: re-entrant within a process
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat field 22), or None
+    where /proc is missing or the process is gone. With the PID it names one process: a PID the
+    kernel hands to a later process comes with a later start time."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_cmdline(pid: int) -> Optional[str]:
+    """The command line of process `pid` (arguments joined by spaces), or None."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        h = json.loads(path.read_text())
+        return f"pid {h['pid']} (`{h.get('command', '?')}`, since {time.strftime('%H:%M:%S', time.localtime(h['started_at']))})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+class RunLock:
+    """An exclusive lock on a run directory (flock on RUN_DIR/.lock), held while a stage runs, so
+    two processes never run stages in one run directory at once. The holder writes its pid and
+    command into the file; a second process names them in its error, or waits (`wait=True`).
+    Re-entrant within a process (`run` holds it across its stages). The kernel drops the lock
+    when the holder dies, so a killed run never leaves a stale lock."""
+
+    def __init__(self, run_dir: str | Path, wait: bool = False, poll_s: float = 0.5):
+        self.run_dir, self.wait, self.poll_s = Path(run_dir), wait, poll_s
+        self.key = str(self.run_dir.resolve())
+
+    def __enter__(self) -> "RunLock":
+        import fcntl  # why here: POSIX only; imported where a lock is taken
+
+        if self.key in _held_locks:
+            _held_locks[self.key][1] += 1
+            return self
+        path = self.run_dir / LOCK
+        f = open(path, "a+")
+        told = False
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not self.wait:
+                    f.close()
+                    raise DraftsmithError(f"{self.run_dir}: run directory is locked by {_lock_holder(path)}; wait for it to "
+                                          "finish (or add --wait-lock to wait), or use another run_dir") from None
+                if not told:
+                    log(f"[lock] {self.run_dir} is held by {_lock_holder(path)}; waiting (--wait-lock)")
+                    told = True
+                time.sleep(self.poll_s)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "pid_start": process_start_time(os.getpid()),
+                            "command": (process_cmdline(os.getpid()) or " ".join(sys.argv))[:300], "started_at": time.time()}))
+        f.flush()
+        _held_locks[self.key] = [f, 1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        entry = _held_locks[self.key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held_locks[self.key]
+            entry[0].close()  # closing the file releases the flock
 
 
 # ----------------------------------------------------------------------------- ledger

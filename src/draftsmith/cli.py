@@ -49,7 +49,13 @@ def _print_help(stage_help: dict[str, str]) -> None:
     print("commands:")
     for name, text in {**stage_help, "run": RUN_HELP, **TOOL_HELP}.items():
         print(f"  {name:<10} {text}")
-    print("\n`draftsmith COMMAND --help` lists every recipe key with its help.")
+    print("\n`draftsmith COMMAND --help` lists every recipe key with its help. A stage command takes --wait-lock: wait for")
+    print("another process's stage in the same run directory instead of stopping with an error.")
+
+
+def one_line(msg: str) -> str:
+    """An error message on one line (a wrapped library message can hold newlines)."""
+    return " ".join(msg.split())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,15 +76,22 @@ def main(argv: list[str] | None = None) -> int:
         if "-h" in rest or "--help" in rest:
             recipe_parser(f"draftsmith {command}", stage_help.get(command, RUN_HELP)).print_help()
             return 0
+        wait_lock = "--wait-lock" in rest  # wait for another process's stage in this run directory, not fail
+        rest = [a for a in rest if a != "--wait-lock"]
         recipe, force = parse_recipe(rest, prog=f"draftsmith {command}")
         if command == "run":
-            pipeline.run_all(recipe, force=force)
+            pipeline.run_all(recipe, force=force, wait_lock=wait_lock)
             print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
         else:
-            pipeline.run_stage(command, recipe, force=force)
+            pipeline.run_stage(command, recipe, force=force, wait_lock=wait_lock)
         return 0
     except DraftsmithError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the user named (or the run folder) cannot be read or written
+        where = e.filename or "a file"
+        print(f"error: {where}: {e.strerror or e}; check that the path exists, is the right kind (file/folder) "
+              "and is readable/writable, then rerun", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume", file=sys.stderr)

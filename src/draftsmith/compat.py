@@ -22,6 +22,37 @@ from .artifacts import DraftsmithError
 TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.17")}
 """Versions draftsmith's tests ran with (CPU CI and the H200 machine): (lowest, highest)."""
 
+def cache_kwargs(model: Any, cache: Any) -> dict:
+    """The keyword that hands a KV cache to `model.forward`: `cache` on transformers releases that
+    renamed it (5.2x: `past_key_values` is deprecated there, removed in 5.40), else
+    `past_key_values`. Looked up on the forward's signature, not the version number."""
+    import inspect
+
+    forward = getattr(model, "forward", model)
+    key = _CACHE_KEYS.get(id(forward.__func__) if hasattr(forward, "__func__") else id(forward))
+    if key is None:
+        try:
+            params = inspect.signature(forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        key = "cache" if "cache" in params else "past_key_values"
+        _CACHE_KEYS[id(forward.__func__) if hasattr(forward, "__func__") else id(forward)] = key
+    return {key: cache}
+
+
+_CACHE_KEYS: dict[int, str] = {}
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a transformers forward returned: `out.cache` on releases that renamed it (reading
+    `past_key_values` there logs a deprecation), else `out.past_key_values`; None when there is none."""
+    if isinstance(out, dict) and "cache" in out:  # ModelOutput is a dict of its set fields
+        return out["cache"]
+    if hasattr(type(out), "__dataclass_fields__") and "cache" in type(out).__dataclass_fields__:
+        return getattr(out, "cache", None)
+    return getattr(out, "past_key_values", None)
+
+
 # Config keys under which architectures declare MTP layers: DeepSeek-V3/V4, GLM-4.5, MiMo,
 # ERNIE 4.5, Nemotron-H (num_nextn_predict_layers), transformers' alias (num_mtp_layers),
 # Qwen3-Next / Qwen3.5 (mtp_num_hidden_layers).

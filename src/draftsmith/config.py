@@ -383,12 +383,122 @@ def recipe_parser(prog: str, description: str) -> ArgumentParser:
     return p
 
 
+MAX_RECIPE_BYTES = 1 << 20
+MAX_YAML_NODES = 100_000
+"""A recipe is a few hundred nodes; past this many (aliases expanded) it is an alias bomb."""
+
+
+def check_yaml_file(path: Path) -> None:
+    """Refuse a YAML file that is too large, or whose aliases expand past MAX_YAML_NODES nodes (the
+    "billion laughs": a few lines whose expansion would take every byte of memory downstream)."""
+    import yaml  # why here: only recipe files need it
+
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise DraftsmithError(f"{path}: not a file; give a recipe YAML file")
+        if size > MAX_RECIPE_BYTES:
+            raise DraftsmithError(f"{path}: {size:,} bytes, too large for a recipe (limit {MAX_RECIPE_BYTES:,}); "
+                                  "give the recipe YAML, not a data file")
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DraftsmithError(f"{path}: not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from None
+    except OSError as e:
+        raise DraftsmithError(f"{path}: cannot read the recipe ({e.strerror or e}); check the path and its permissions") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise DraftsmithError(f"{path}: not valid YAML ({' '.join(str(e).split())[:200]}); fix the recipe") from None
+    sizes: dict[int, int] = {}
+
+    def expanded(node) -> int:  # nodes after alias expansion; shared nodes are counted once per use, computed once
+        key = id(node)
+        if key not in sizes:
+            sizes[key] = 1  # a cycle (a recursive alias) counts once instead of looping
+            children = node.value if isinstance(node.value, list) else []
+            total = 1
+            for c in children:
+                total += sum(expanded(x) for x in c) if isinstance(c, tuple) else expanded(c)
+                if total > MAX_YAML_NODES:
+                    break
+            sizes[key] = total
+        return sizes[key]
+
+    if root is not None and expanded(root) > MAX_YAML_NODES:
+        raise DraftsmithError(f"{path}: its aliases expand to more than {MAX_YAML_NODES:,} values (a YAML alias bomb); "
+                              "write the recipe without nested aliases")
+
+
+def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Optional[float], bool]]:
+    """(key, value, lowest, highest, may be unset) of every count, size and budget in a recipe."""
+    p, r, c, v, t, e, x = recipe.prepare, recipe.regenerate, recipe.capture, recipe.vocab, recipe.train, recipe.evaluate, recipe.export
+    big = 1 << 24  # tokens in one sample / answer: far past any model's positions
+    return [
+        ("prepare.max_length", p.max_length, 2, big, False), ("prepare.samples_per_shard", p.samples_per_shard, 1, 1 << 20, False),
+        ("prepare.skip_samples", p.skip_samples, 0, None, False), ("prepare.max_samples", p.max_samples, 0, None, True),
+        ("prepare.min_loss_tokens", p.min_loss_tokens, 1, big, False),
+        ("regenerate.max_new_tokens", r.max_new_tokens, 1, big, False), ("regenerate.batch_size", r.batch_size, 1, 1 << 16, False),
+        ("regenerate.concurrency", r.concurrency, 1, 1 << 12, False), ("regenerate.timeout_s", r.timeout_s, 1e-3, None, False),
+        ("regenerate.max_retries", r.max_retries, 0, 100, False), ("regenerate.retry_delay_s", r.retry_delay_s, 0, 3600, False),
+        ("regenerate.temperature", r.temperature, 0, 100, False),
+        ("capture.batch_tokens", c.batch_tokens, 1, 1 << 30, False),
+        ("vocab.draft_vocab_size", v.draft_vocab_size, 1, 1 << 24, False),
+        ("train.ttt_steps", t.ttt_steps, 1, MAX_DRAFT_STEPS, False), ("train.ttt_decay", t.ttt_decay, 1e-6, 1, False),
+        ("train.epochs", t.epochs, 1e-9, 1e6, False), ("train.max_steps", t.max_steps, 1, 1e9, True),
+        ("train.batch_tokens", t.batch_tokens, 1, 1 << 32, False), ("train.micro_batch_tokens", t.micro_batch_tokens, 1, 1 << 32, True),
+        ("train.max_length", t.max_length, 2, big, False), ("train.lr", t.lr, 1e-12, 10, False),
+        ("train.weight_decay", t.weight_decay, 0, 10, False), ("train.muon_lr", t.muon_lr, 1e-12, 10, True),
+        ("train.warmup_steps", t.warmup_steps, 0, 1e9, False), ("train.min_lr_ratio", t.min_lr_ratio, 0, 1, False),
+        ("train.grad_clip", t.grad_clip, 0, None, False), ("train.save_every", t.save_every, 1, None, False),
+        ("train.log_every", t.log_every, 1, None, False), ("train.heldout_samples", t.heldout_samples, 0, None, False),
+        ("train.eval_every", t.eval_every, 0, None, False), ("train.peak_tflops", t.peak_tflops, 1e-6, None, True),
+        ("evaluate.max_prompts", e.max_prompts, 1, None, True), ("evaluate.max_new_tokens", e.max_new_tokens, 1, big, False),
+        ("evaluate.draft_steps", e.draft_steps, 1, MAX_DRAFT_STEPS, False), ("evaluate.max_turns", e.max_turns, 1, 100, False),
+        ("evaluate.tree_depth", e.tree_depth, 1, MAX_DRAFT_STEPS, False), ("evaluate.tree_topk", e.tree_topk, 1, 64, False),
+        ("evaluate.tree_budget", e.tree_budget, 1, 4096, False), ("evaluate.ngram_max", e.ngram_max, 1, 64, False),
+        ("evaluate.temperature", e.temperature, 0, 100, False),
+        *((f"evaluate.batch_sizes[{i}]", b, 1, 4096, False) for i, b in enumerate(e.batch_sizes)),
+        ("export.num_speculative_tokens", x.num_speculative_tokens, 1, MAX_DRAFT_STEPS, False),
+    ]
+
+
+MAX_DRAFT_STEPS = 64
+"""Draft steps / TTT steps / tree depth: EAGLE-3 drafters accept a handful; past this a value is a typo."""
+
+
+def check_recipe(recipe: "Recipe", where: str) -> None:
+    """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
+    one, or absurd (a million draft steps): before any stage starts or touches its output."""
+    import math
+
+    for key, value, lo, hi, optional in _limits(recipe):
+        if value == "auto":  # the fields that take "auto" (heldout_samples, eval_every): the parser checked the type
+            continue
+        if value is None:
+            if optional:
+                continue
+            raise DraftsmithError(f"{where}: {key} is null; give a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+            raise DraftsmithError(f"{where}: {key} {value!r}: not a finite number; fix the value")
+        if lo is not None and value < lo:
+            unset = " (or null)" if optional else ""
+            raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{unset}; fix the value in the recipe")
+        if hi is not None and value > hi:
+            raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
+    if not recipe.evaluate.batch_sizes:
+        raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
+    if recipe.train.micro_batch_tokens is not None and recipe.train.micro_batch_tokens > recipe.train.batch_tokens:
+        raise DraftsmithError(f"{where}: train.micro_batch_tokens {recipe.train.micro_batch_tokens} > train.batch_tokens "
+                              f"{recipe.train.batch_tokens}; make the micro-batch at most the batch")
+
+
 def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
-    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`."""
+    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`; values are checked (check_recipe)."""
     if argv and not argv[0].startswith("-"):
         path = Path(argv[0])
         if not path.exists():
             raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
+        check_yaml_file(path)
         argv = ["--config", str(path), *argv[1:]]
     p = recipe_parser(prog, "")
     try:
@@ -403,9 +513,10 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
         warnings.simplefilter("ignore")
         init = p.instantiate_classes(cfg)
     recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
+    where = argv[1] if argv[:1] == ["--config"] else "command line"
+    check_recipe(recipe, where)
     bad = check_budgets(recipe.train)
     if bad:
-        where = argv[1] if argv[:1] == ["--config"] else "command line"
         raise DraftsmithError(f"{where}: {bad}")
     return recipe, force
 
@@ -416,6 +527,4 @@ def check_budgets(tc: TrainConfig) -> Optional[str]:
         value = getattr(tc, key)
         if value < 0:
             return f"train.{key} {value}: a budget must be >= 0 (0 = no budget); fix the value"
-    if tc.max_steps is not None and tc.max_steps < 1:
-        return f"train.max_steps {tc.max_steps}: must be >= 1, or unset it to train for train.epochs"
-    return None
+    return None  # max_steps and the other counts: check_recipe

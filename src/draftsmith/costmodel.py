@@ -90,6 +90,26 @@ def _quant_bits(cfg: dict) -> Optional[int]:
 
 def target_spec(config: Union[str, Path, dict], weight_bits: Optional[float] = None,
                 expert_weight_bits: Optional[float] = None) -> TargetSpec:
+    """TargetSpec from a config.json path, a model folder, or a config dict (see _target_spec);
+    a config that is not an object, or holds a size that is not a number, is one line."""
+    where = config.get("_name_or_path", "target") if isinstance(config, dict) else str(config)
+    if not isinstance(config, dict):
+        p = Path(config)
+        p = p / "config.json" if p.is_dir() else p
+        where = str(p)
+        config = read_json(p)
+        if not isinstance(config, dict):
+            raise DraftsmithError(f"{p}: a JSON {type(config).__name__}, not a model config; give the config.json of a causal LM")
+        config = {**config, "_name_or_path": config.get("_name_or_path", p.parent.name)}
+    try:
+        return _target_spec(config, weight_bits, expert_weight_bits)
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
+        raise DraftsmithError(f"{where}: a size in the config is not a number ({' '.join(str(e).split())[:120]}); "
+                              "give the config.json of a causal LM") from None
+
+
+def _target_spec(config: dict, weight_bits: Optional[float] = None,
+                 expert_weight_bits: Optional[float] = None) -> TargetSpec:
     """TargetSpec from a config.json path, a model folder, or a config dict.
 
     Weight bytes: the config's dtype (2 for bf16), except that a quantization_config's bit width

@@ -5,8 +5,9 @@ Checks, each ok / warn / fail / info:
     gpus       every visible GPU and its free memory
     disk       free disk at run_dir against the capture size (tokens x bytes per token)
     memory     target weights + drafter against the free memory of the device they load on
-    processes  draftsmith processes recorded in the run's ledger (pid of each stage_started)
-               that are still alive: only those, never a search by process name. --kill-stale
+    processes  draftsmith processes recorded in the run's ledger (pid, start time, command line
+               and run dir of each stage_started) that are still alive as that same process: only
+               those, never a search by process name, never a reused PID. --kill-stale
                sends SIGTERM to the ones whose stage has ended or was started again since.
 Exit status 1 when a check fails.
 """
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
-from .artifacts import DraftsmithError, Ledger, load_manifest, stage_dir
+from .artifacts import DraftsmithError, Ledger, load_manifest, process_cmdline, process_start_time, stage_dir
 from .compat import TESTED
 from .config import parse_recipe
 from .costmodel import drafter_params, target_spec
@@ -167,13 +168,6 @@ def check_memory(recipe, spec, cfg: dict, found: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- processes
 
 
-def _cmdline(pid: int) -> Optional[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return None
-
-
 def _gpu_memory_by_pid() -> dict[int, int]:
     """MiB of GPU memory per process, from nvidia-smi (empty without it)."""
     if not shutil.which("nvidia-smi"):
@@ -193,29 +187,47 @@ def _gpu_memory_by_pid() -> dict[int, int]:
     return mem
 
 
+def identity_matches(e: dict, pid: int) -> Optional[str]:
+    """The live command line of `pid` when it is the very process the ledger event `e` recorded:
+    same PID, same start time (/proc/PID/stat) and same command line. None otherwise: gone, or
+    the kernel gave the PID to another process since (a reused PID starts later)."""
+    cmd = process_cmdline(pid)
+    if cmd is None or e.get("pid_start") is None or e.get("cmdline") is None:
+        return None
+    if process_start_time(pid) != e["pid_start"] or cmd != e["cmdline"]:
+        return None
+    return cmd
+
+
 def recorded_processes(run_dir: Path) -> list[dict]:
     """Alive draftsmith processes among the PIDs this run's ledger recorded (stage_started events).
 
-    Each: pid, stage (the last it started), cmdline, stale (that stage has ended, or was started
-    again under another PID, since) or not (it is the stage's current run)."""
+    A PID counts only while it is the process that was recorded: its start time and command line
+    must match the ledger's (and the event's run directory this one), so a reused PID or another
+    run's process is never listed, never signalled. Each: pid, stage (the last it started),
+    cmdline, stale (that stage has ended, or was started again under another PID, since) or not."""
     events = Ledger(run_dir).read()
-    last_start = {e["pid"]: i for i, e in enumerate(events) if e.get("event") == "stage_started" and e.get("pid")}
+    last_start = {e["pid"]: i for i, e in enumerate(events) if e.get("event") == "stage_started" and isinstance(e.get("pid"), int)}
+    here = str(run_dir.resolve())
     out = []
     for pid, i in last_start.items():  # one `draftsmith run` PID runs many stages: judge it by its last
         e = events[i]
-        if pid == os.getpid():
+        if pid == os.getpid() or pid <= 1:
             continue
+        if e.get("run_dir") is not None and e["run_dir"] != here:
+            continue  # a ledger copied from another run directory
         m = load_manifest(stage_dir(run_dir, e["stage"])) if stage_dir(run_dir, e["stage"]).is_dir() else None
         host = ((m or {}).get("hardware") or {}).get("host")
         if host and host != socket.gethostname():
             continue  # a PID of another machine means nothing here
-        cmd = _cmdline(int(pid))
-        if cmd is None or "draftsmith" not in cmd:
-            continue  # gone, or the PID now belongs to something else
+        cmd = identity_matches(e, pid)
+        if cmd is None:
+            continue  # gone, recorded without its identity, or the PID now belongs to another process
         later = [x for x in events[i + 1:] if x.get("stage") == e["stage"]]
         stale = any(x["event"] in ("stage_finished", "stage_failed", "stage_interrupted") or
                     (x["event"] == "stage_started" and x.get("pid") != pid) for x in later)
-        out.append({"pid": int(pid), "stage": e["stage"], "cmdline": cmd[:200], "stale": stale})
+        out.append({"pid": int(pid), "stage": e["stage"], "cmdline": cmd[:200], "stale": stale,
+                    "pid_start": e["pid_start"], "event": e})
     return out
 
 
@@ -226,8 +238,12 @@ def check_processes(run_dir: Path, kill_stale: bool = False) -> list[dict]:
     mem = _gpu_memory_by_pid()
     out = []
     for p in procs:
+        e = p.pop("event")
         gpu = f", {mem[p['pid']]} MiB of GPU memory" if p["pid"] in mem else ""
         if p["stale"] and kill_stale:
+            if identity_matches(e, p["pid"]) is None:  # checked again right before the signal
+                out.append(check("processes", "ok", f"pid {p['pid']} exited or changed identity; nothing signalled", **p))
+                continue
             try:
                 os.kill(p["pid"], signal.SIGTERM)
                 out.append(check("processes", "ok", f"sent SIGTERM to stale pid {p['pid']} ({p['stage']}{gpu})", **p))

@@ -13,6 +13,7 @@ stage wait for rank 0's complete manifest before going on to the next one.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -22,8 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import (DraftsmithError, Ledger, atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
-                        process_rank, stage_dir, to_jsonable)
+from .artifacts import (DraftsmithError, Ledger, RunLock, atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
+                        process_cmdline, process_rank, process_start_time, stage_dir, to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -108,52 +109,117 @@ def write_recipe(recipe: Recipe, run_dir: Path) -> None:
     atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(to_jsonable(recipe), sort_keys=False))
 
 
-def run_stage(stage: str, recipe: Recipe, force: bool = False) -> dict:
-    """Run one stage (skipping it when complete for the same inputs). Returns its manifest."""
+def previous_dir(out_dir: Path) -> Path:
+    """Where a complete stage output waits while a new run of that stage replaces it."""
+    return out_dir.with_name(f".{out_dir.name}.previous")
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise DraftsmithError(f"{run_dir}: run_dir is a file, not a folder; set run_dir to a folder (e.g. runs/NAME)")
+
+
+def _check_stage_dir(out_dir: Path) -> None:
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        kind = "a symlink" if out_dir.is_symlink() else "not a folder"
+        raise DraftsmithError(f"{out_dir}: the stage folder is {kind}; move it away (a stage writes only real folders "
+                              "inside its run directory) and rerun")
+
+
+def run_stage(stage: str, recipe: Recipe, force: bool = False, wait_lock: bool = False) -> dict:
+    """Run one stage (skipping it when complete for the same inputs). Returns its manifest.
+
+    A complete output that this run replaces (other inputs, or --force) is set aside as
+    RUN_DIR/.STAGE.previous, not deleted: it comes back if the new run fails or is interrupted,
+    and goes only when the new run has succeeded. The run directory is locked (artifacts.RunLock)
+    from here to the end of the stage."""
     run_dir = Path(recipe.run_dir)
+    _check_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_recipe(recipe, run_dir)
-    ledger = Ledger(run_dir)
     reason = skip_reason(stage, recipe)
     if reason:
         log(f"[{stage}] {reason}")
         return {}  # optional stage, off: no folder, no ledger entry
+    lock = RunLock(run_dir, wait=wait_lock) if is_main_rank() else contextlib.nullcontext()
+    with lock:
+        return _run_stage_locked(stage, recipe, run_dir, force)
+
+
+def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) -> dict:
+    write_recipe(recipe, run_dir)
+    ledger = Ledger(run_dir)
+    out_dir = stage_dir(run_dir, stage)
+    _check_stage_dir(out_dir)
+    prev = previous_dir(out_dir)
+    if is_main_rank():  # a run that replaced a complete output died before writing anything: that output back
+        for name in STAGE_TABLE:
+            d = stage_dir(run_dir, name)
+            if previous_dir(d).exists() and not d.exists():
+                previous_dir(d).rename(d)
     for u in upstream_of(stage, recipe):
         if stage_status(run_dir, u) != "complete":
             raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
     fp = stage_fingerprint(stage, recipe, run_dir)
-    out_dir = stage_dir(run_dir, stage)
+    if prev.exists() and is_main_rank() and not force:
+        pm = load_manifest(prev)
+        if pm is not None and pm.get("status") == "complete" and pm.get("fingerprint") == fp:
+            log(f"[{stage}] the complete output set aside in {prev} is for these inputs; put back in place")
+            _restore(out_dir, prev, quiet=True)
     m = load_manifest(out_dir)
-    if m is not None and not force:
-        if m["status"] == "complete" and m["fingerprint"] == fp:
-            log(f"[{stage}] complete for these inputs; skipped")
-            ledger.append("stage_skipped", stage=stage, fingerprint=fp)
-            return m
-        if m["fingerprint"] != fp:
-            log(f"[{stage}] inputs or config changed; starting the stage over")
-            shutil.rmtree(out_dir)
-    elif m is not None and force:
-        shutil.rmtree(out_dir)
+    if m is not None and m["status"] == "complete" and m["fingerprint"] == fp and not force:
+        log(f"[{stage}] complete for these inputs; skipped")
+        ledger.append("stage_skipped", stage=stage, fingerprint=fp)
+        return m
+    if m is not None and (force or m["fingerprint"] != fp) and is_main_rank():
+        log(f"[{stage}] {'--force' if force else 'inputs or config changed'}; starting the stage over")
+        if m["status"] == "complete" and not prev.exists():
+            out_dir.rename(prev)  # kept until the new run succeeds
+        else:
+            shutil.rmtree(out_dir)  # half-done output of other inputs (a complete one, if any, is in prev)
     resumed = m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force
-    ledger.append("stage_started", stage=stage, fingerprint=fp, resumed=resumed, pid=os.getpid())
+    pid = os.getpid()
+    ledger.append("stage_started", stage=stage, fingerprint=fp, resumed=resumed, pid=pid,
+                  pid_start=process_start_time(pid), cmdline=process_cmdline(pid), run_dir=str(run_dir.resolve()))
     t0 = time.time()
     try:
         manifest = STAGE_TABLE[stage].run(recipe, run_dir, fp)
-    except KeyboardInterrupt:
-        ledger.append("stage_interrupted", stage=stage, seconds=round(time.time() - t0, 3))
+    except BaseException as e:
+        if is_main_rank() and prev.exists() and not _running_for(out_dir, fp):  # nothing to resume: the old output back
+            _restore(out_dir, prev)
+        if isinstance(e, KeyboardInterrupt):
+            ledger.append("stage_interrupted", stage=stage, seconds=round(time.time() - t0, 3))
+        elif isinstance(e, DraftsmithError):
+            ledger.append("stage_failed", stage=stage, error=str(e), seconds=round(time.time() - t0, 3))
+        else:
+            ledger.append("stage_failed", stage=stage, error=f"{type(e).__name__}: {e}",
+                          traceback=traceback.format_exc(limit=5), seconds=round(time.time() - t0, 3))
         raise
-    except DraftsmithError as e:
-        ledger.append("stage_failed", stage=stage, error=str(e), seconds=round(time.time() - t0, 3))
-        raise
-    except Exception as e:
-        ledger.append("stage_failed", stage=stage, error=f"{type(e).__name__}: {e}",
-                      traceback=traceback.format_exc(limit=5), seconds=round(time.time() - t0, 3))
-        raise
+    if is_main_rank() and prev.exists():
+        shutil.rmtree(prev, ignore_errors=True)
     ledger.append("stage_finished", stage=stage, fingerprint=fp, seconds=round(time.time() - t0, 3),
                   counts=manifest.get("counts", {}), metrics=manifest.get("metrics", {}))
     if not is_main_rank():
         return wait_for_rank0(out_dir, stage, fp)
     return manifest
+
+
+def _running_for(out_dir: Path, fp: str) -> bool:
+    """True when out_dir holds a half-done run for `fp` that a rerun can resume (worth keeping)."""
+    try:
+        m = load_manifest(out_dir)
+    except DraftsmithError:
+        return False
+    return m is not None and m.get("status") == "running" and m.get("fingerprint") == fp and bool(m.get("shards"))
+
+
+def _restore(out_dir: Path, prev: Path, quiet: bool = False) -> None:
+    """Put the complete output set aside back in place of a failed (or other inputs') run's."""
+    if not prev.exists():
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+    prev.rename(out_dir)
+    if not quiet:
+        log(f"[pipeline] the new run did not finish; the previous complete output is back in {out_dir}")
 
 
 RANK0_WAIT_S = 3600.0
@@ -178,7 +244,11 @@ def wait_for_rank0(out_dir: Path, stage: str, fp: str, poll_s: float = 0.5) -> d
         time.sleep(poll_s)
 
 
-def run_all(recipe: Recipe, force: bool = False) -> dict[str, dict]:
+def run_all(recipe: Recipe, force: bool = False, wait_lock: bool = False) -> dict[str, dict]:
     """Every stage of the table in order (`draftsmith run`); each skipped when complete. Returns
-    the manifests by stage."""
-    return {stage: run_stage(stage, recipe, force=force) for stage in STAGE_TABLE}
+    the manifests by stage. The run directory stays locked from the first stage to the last."""
+    run_dir = Path(recipe.run_dir)
+    _check_run_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (RunLock(run_dir, wait=wait_lock) if is_main_rank() else contextlib.nullcontext()):
+        return {stage: run_stage(stage, recipe, force=force) for stage in STAGE_TABLE}

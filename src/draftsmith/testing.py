@@ -131,6 +131,16 @@ class TinyDrafter(NamedTuple):
     drafter: Any  # draftsmith.draft.model.Eagle3Drafter, eval mode
 
 
+def random_norms(model: torch.nn.Module, seed: int) -> None:
+    """Every norm weight of `model` set to its own random non-unit values (0.5..1.5), so a test
+    fails when two norms are swapped or one is dropped (all-ones norms are interchangeable)."""
+    gen = torch.Generator().manual_seed(1000 + int(seed))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+
+
 def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: int = 100, seed: int = 1,
                       std: float = 0.2, **config_overrides) -> TinyDrafter:
     """A tiny llama target in root/target (8 layers: internal aux layers [1, 3, 4]) and a
@@ -146,6 +156,7 @@ def make_tiny_drafter(root: str | Path, num_layers: int = 8, draft_vocab_size: i
     t2d[chosen] = True
     cfg = drafter_config(target.config, DraftConfig(), Vd, target.aux_layer_ids)
     drafter = init_drafter(cfg, target.input_embeddings(), chosen - torch.arange(Vd), t2d, seed=seed, std=std).eval()
+    random_norms(drafter, seed)
     save_drafter(drafter, root / "drafter")
     return TinyDrafter(root, model_dir, target, drafter)
 

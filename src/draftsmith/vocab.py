@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        require_complete, stage_dir, token_stage, write_manifest)
+                        require_complete, stage_dir, token_stage, verify_listed_file, write_manifest)
 from .config import Recipe
 from .target.model import read_text_config
 
@@ -54,6 +54,7 @@ def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) from vocab/vocab.safetensors, checked for consistency."""
     path = Path(path)
+    verify_listed_file(path)
     try:
         t = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
@@ -83,6 +84,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     write_manifest(out_dir, manifest)
 
     counts_path = data_dir / COUNTS_FILE
+    verify_listed_file(counts_path)
     try:
         counts = load_file(str(counts_path))["counts"].to(torch.int64)
     except FileNotFoundError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class Ctx:
     base: Path  # a run folder with every stage up to export complete (from base_recipe)
     target: Path
     monkeypatch: Any
+    finalizers: list = field(default_factory=list)
+    """Called after the case (stop a server or a lock holder the setup started)."""
 
     @property
     def run_dir(self) -> Path:
@@ -60,7 +63,7 @@ class Ctx:
         """Write recipe.yaml (the base recipe with `sections` merged in, or `raw` text); returns its path."""
         r = base_recipe(self.run_dir, target or self.target, source or SOURCES / "good.json")
         for k, v in sections.items():
-            r[k] = {**r[k], **v} if isinstance(v, dict) else v
+            r[k] = {**r.get(k, {}), **v} if isinstance(v, dict) else v
         path = self.tmp / "recipe.yaml"
         path.write_text(raw if raw is not None else yaml.safe_dump(r))
         return str(path)
@@ -107,6 +110,8 @@ class Case:
     """After the failure, the same command without the fault must finish (disk full cases)."""
     xfail: str = ""
     """Known gap (strict xfail), with the reason."""
+    check: Optional[Callable[[Ctx, str], None]] = None
+    """ok cases of commands without a stage folder: checks what the command wrote (given its stdout)."""
 
 
 def src(name: str, *extra: str) -> Callable[[Ctx], list[str]]:
@@ -298,6 +303,249 @@ def _small_disk(c: Ctx) -> list[str]:
     return args
 
 
+# ----------------------------------------------------------------------------- more setups (issue 21)
+
+
+def _write(c: Ctx, name: str, data: bytes | str) -> Path:
+    p = c.tmp / name
+    p.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return p
+
+
+GOOD_REC = {"id": "g", "conversations": [{"from": "human", "value": "Count from 1 to 4."}, {"from": "gpt", "value": "1 2 3 4. Done!"}]}
+GOOD_MSGS = {"messages": [{"role": "user", "content": "Count from 1 to 4."}, {"role": "assistant", "content": "1 2 3 4. Done!"}]}
+
+
+def _made(name: str, data: Callable[[], bytes]) -> Callable[[Ctx], list[str]]:
+    """A conversation file written by code (bytes a text editor would mangle), then prepare."""
+    return lambda c: [c.recipe(_write(c, name, data()))]
+
+
+def _jsonl(*lines: bytes) -> bytes:
+    return b"".join(lines)
+
+
+def _good_line(n: int = 3) -> bytes:
+    return (json.dumps(GOOD_MSGS) + "\n").encode() * n
+
+
+def _deep_record(depth: int = 100_000) -> bytes:
+    return _jsonl(_good_line(2), b'{"messages": ' + b"[" * depth + b"]" * depth + b"}\n", _good_line(1))
+
+
+def _gzip_bomb(c: Ctx) -> list[str]:
+    import gzip
+
+    from draftsmith.data import readers
+
+    c.monkeypatch.setattr(readers, "GZIP_MIN_BOMB", 1 << 20)
+    p = c.tmp / "bomb.jsonl.gz"
+    with gzip.open(p, "wb") as f:
+        f.write(_good_line(1))
+        for _ in range(4):
+            f.write(b" " * (1 << 20))
+    return [c.recipe(p)]
+
+
+def _large_line(c: Ctx) -> list[str]:
+    from draftsmith.data import readers
+
+    c.monkeypatch.setattr(readers, "MAX_RECORD_BYTES", 4096)
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 10_000}, {"role": "assistant", "content": "y"}]})
+    return [c.recipe(_write(c, "large_line.jsonl", _good_line(2) + big.encode() + b"\n" + _good_line(1)))]
+
+
+def _raw_recipe(text: str | bytes, name: str = "recipe.yaml") -> Callable[[Ctx], list[str]]:
+    return lambda c: [str(_write(c, name, text))]
+
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)) + "name: boom\n"
+
+
+def _run_dir_is_file(c: Ctx) -> list[str]:
+    (c.tmp / "run").write_text("not a folder")
+    return [c.recipe()]
+
+
+def _stage_symlink(c: Ctx) -> list[str]:
+    args = [c.recipe()]
+    c.run_dir.mkdir()
+    (c.tmp / "elsewhere").mkdir()
+    (c.run_dir / "data").symlink_to(c.tmp / "elsewhere")
+    return args
+
+
+def _locked(c: Ctx) -> list[str]:
+    """Another process holds the run directory's lock (an open file description flocked from here
+    stands for it: flock locks belong to open file descriptions, so the stage's own open conflicts)."""
+    import fcntl
+    import os
+
+    args = [c.recipe()]
+    c.run_dir.mkdir()
+    f = open(c.run_dir / ".lock", "a+")
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    f.write(json.dumps({"pid": os.getpid(), "command": "draftsmith train other.yaml", "started_at": 0}))
+    f.flush()
+    c.finalizers.append(f.close)
+    return args
+
+
+def _refused_rerun(c: Ctx) -> list[str]:
+    """A complete prepare, rerun with other inputs that the stage refuses: the complete output stays."""
+    c.copy("data")
+    return [c.recipe(prepare={"min_loss_tokens": 100_000})]
+
+
+def _target_edit(fn: Callable[[Path], None], stages: tuple[str, ...] = ("data",)) -> Callable[[Ctx], list[str]]:
+    def setup(c: Ctx) -> list[str]:
+        t = c.target_copy()
+        fn(t)
+        args = [c.recipe(target=t)]
+        c.copy(*stages)
+        return args
+    return setup
+
+
+def _drop_layer(t: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = t / "model.safetensors"
+    state = load_file(str(f))
+    for k in [k for k in state if ".layers.2." in k]:
+        del state[k]
+    save_file(state, str(f), metadata={"format": "pt"})
+
+
+def _edit_json(path_in_target: str, value: Any) -> Callable[[Path], None]:
+    def fn(t: Path) -> None:
+        p = t / path_in_target
+        if callable(value):
+            cfg = json.loads(p.read_text())
+            value(cfg)
+            p.write_text(json.dumps(cfg))
+        else:
+            p.write_text(value)
+    return fn
+
+
+def _resume_train_with_sums(fn: Callable[[Path], None]) -> Callable[[Ctx], list[str]]:
+    """_resume_train_with on a checkpoint written before meta.json listed its checksums (so the
+    damage reaches the loader, not the checksum check)."""
+    def drop_sums(step_dir: Path) -> None:
+        meta = json.loads((step_dir / "meta.json").read_text())
+        meta.pop("state_sha256", None)
+        (step_dir / "meta.json").write_text(json.dumps(meta))
+        fn(step_dir)
+    return _resume_train_with(drop_sums)
+
+
+def _flip_checkpoint(step_dir: Path) -> None:
+    _flip_last_byte(sorted((step_dir / "state").glob("*.safetensors"))[0])
+
+
+def _latest_outside(c: Ctx) -> list[str]:
+    args = [c.recipe()]
+    c.copy("data", "capture", "vocab", "train")
+    c.edit_manifest("train", lambda m: m.update(status="running"))
+    (c.run_dir / "train" / "latest").write_text("../../../etc/step-000004\n")
+    return args
+
+
+def _resume_with_flipped_capture(c: Ctx) -> list[str]:
+    args = [c.recipe()]
+    c.copy("data", "capture", "vocab", "train")
+    c.edit_manifest("train", lambda m: m.update(status="running"))
+    _flip_last_byte(_shard_path(c, "capture"))
+    return args
+
+
+def _prompts(c: Ctx, lines: list[dict] | bytes) -> Path:
+    data = lines if isinstance(lines, bytes) else "".join(json.dumps(x) + "\n" for x in lines).encode()
+    return _write(c, "prompts.jsonl", data)
+
+
+def _evaluate(prompts: Callable[[Ctx], Any], **evaluate) -> Callable[[Ctx], list[str]]:
+    def setup(c: Ctx) -> list[str]:
+        bench = prompts(c)
+        args = [c.recipe(evaluate={"benchmarks": [str(bench)], "max_new_tokens": 8, "draft_steps": 2, "step_costs": False,
+                                   "methods": ["eagle3_chain", "plain"], "max_turns": 1, **evaluate})]
+        c.copy("data", "capture", "vocab", "train")
+        return args
+    return setup
+
+
+def _import(fn: Optional[Callable[[Path], None]] = None, out: str = "imported") -> Callable[[Ctx], list[str]]:
+    """import-drafter of the good run's SGLang export (edited by `fn`) into a new folder."""
+    def setup(c: Ctx) -> list[str]:
+        src = c.tmp / "drafter"
+        shutil.copytree(c.base / "export" / "sglang", src)
+        if fn is not None:
+            fn(src)
+        return [str(src), "--target", str(c.target), "--out", str(c.tmp / out)]
+    return setup
+
+
+def _imported_ok(c: Ctx, out: str) -> None:
+    """the imported folder holds config.json and weights that load back as a drafter"""
+    from draftsmith.draft.io import load_drafter
+
+    d = c.tmp / "imported"
+    assert (d / "model.safetensors").stat().st_size > 0 and json.loads((d / "config.json").read_text())
+    load_drafter(d, "cpu")  # loads back as a drafter
+
+
+def _stub(c: Ctx, **kw) -> Any:
+    from draftsmith.serve.stub import StubServer
+
+    s = StubServer(step_s=0.0005, **kw).__enter__()
+    c.finalizers.append(s.close)
+    return s
+
+
+def _bench(*flags: str, stub: Optional[dict] = None, url: Optional[str] = None, env: Optional[dict] = None
+           ) -> Callable[[Ctx], list[str]]:
+    def setup(c: Ctx) -> list[str]:
+        prompts = _prompts(c, [{"prompt": f"question {i}"} for i in range(3)])
+        u = url
+        if stub is not None:
+            u = _stub(c, **stub).url
+        for k, v in (env or {}).items():
+            c.monkeypatch.setenv(k, v)
+        return ["--url", u, "--prompts", str(prompts), "--concurrency", "[1]", "--requests_per_level", "2", "--max_tokens", "4",
+                "--warmup_requests", "0", "--progress", "false", "--out_dir", str(c.tmp / "bench"),
+                "--request_timeout_s", "10", *flags]
+    return setup
+
+
+def _bench_ok(c: Ctx, out: str) -> None:
+    """results.json counts every request ok and the plot is written"""
+    res = json.loads((c.tmp / "bench" / "results.json").read_text())
+    assert res["levels"]["A"][0]["ok"] == 2 and (c.tmp / "bench" / "bench_serve.png").stat().st_size > 1000
+
+
+def _status_ok(c: Ctx, out: str) -> None:
+    """status renders the run and names capture (after prepare) as the next step"""
+    assert "## Immediate next step" in out and "run `draftsmith capture" in out, out[-800:]
+
+
+def _status_names_broken_manifest(c: Ctx, out: str) -> None:
+    """status renders the run, naming the broken manifest and the fix"""
+    assert re.search(r"prepare failed: \S*data/manifest\.json: not valid JSON .*delete it", out), out[-800:]
+
+
+def _copied_run(*dirs: str, edit: Optional[Callable[[Ctx], None]] = None) -> Callable[[Ctx], list[str]]:
+    def setup(c: Ctx) -> list[str]:
+        c.recipe()
+        c.copy(*dirs)
+        shutil.copy(c.base / "ledger.jsonl", c.run_dir / "ledger.jsonl")
+        if edit is not None:
+            edit(c)
+        return [str(c.run_dir)]
+    return setup
+
+
 # ----------------------------------------------------------------------------- the corpus
 
 E = "error"
@@ -305,26 +553,30 @@ CASES: list[Case] = [
     # -- conversation files (prepare) ---------------------------------------------------------
     Case("json_truncated_mid_record", "source", "ShareGPT array cut off inside a record", "prepare", "truncated",
          setup=src("json_truncated_mid_record.json")),
-    Case("json_malformed_mid_array", "source", "a broken record in the middle of a ShareGPT array", "prepare", E,
-         r"json_malformed_mid_array\.json: record 2 .*invalid JSON", src("json_malformed_mid_array.json")),
+    Case("json_malformed_mid_array", "source", "a record with unbalanced brackets in the middle of a ShareGPT array",
+         "prepare", "truncated", setup=src("json_malformed_mid_array.json")),
+    Case("json_invalid_record_mid_array", "source", "a record that is not valid JSON (brackets balanced) mid-array",
+         "prepare", "skip:skipped_invalid_json",
+         setup=_made("invalid_mid.json", lambda: ("[" + json.dumps(GOOD_REC) + ', {"id": "x", "conversations": [1 2]}, '
+                                                  + json.dumps(GOOD_REC) + "]").encode())),
     Case("json_top_level_object", "source", "a JSON object instead of an array", "prepare", E,
          r"json_top_level_object\.json: not a JSON array", src("json_top_level_object.json")),
     Case("json_empty_file", "source", "an empty .json file", "prepare", E, r"json_empty_file\.json: not a JSON array",
          src("json_empty_file.json")),
     Case("json_empty_array", "source", "an empty array `[]`", "prepare", E, r"json_empty_array\.json: no sample kept",
          src("json_empty_array.json")),
-    Case("json_non_utf8", "source", "Latin-1 bytes inside a ShareGPT array", "prepare", E,
-         r"json_non_utf8\.json: record 2 .*re-encode the file as UTF-8", src("json_non_utf8.json")),
+    Case("json_non_utf8", "source", "Latin-1 bytes inside a ShareGPT array", "prepare", "skip:skipped_not_utf8",
+         setup=src("json_non_utf8.json")),
     Case("json_item_not_object", "source", "an array item that is a string", "prepare", E,
-         r"json_item_not_object\.json: record 1: expected a JSON object", src("json_item_not_object.json")),
+         r"json_item_not_object\.json: record 1 .*expected a JSON object", src("json_item_not_object.json")),
     Case("json_utf8_bom", "source", "a ShareGPT file starting with a UTF-8 byte-order mark", "prepare", "ok",
          setup=src("json_utf8_bom.json")),
-    Case("jsonl_malformed_line", "source", "a JSONL line that is not valid JSON", "prepare", E,
-         r"jsonl_malformed_line\.jsonl:2: invalid JSON", src("jsonl_malformed_line.jsonl")),
+    Case("jsonl_malformed_line", "source", "a JSONL line that is not valid JSON", "prepare", "skip:skipped_invalid_json",
+         setup=src("jsonl_malformed_line.jsonl")),
     Case("jsonl_truncated_last_line", "source", "a JSONL file whose last line is cut off", "prepare", "truncated",
          setup=src("jsonl_truncated_last_line.jsonl")),
-    Case("jsonl_non_utf8_line", "source", "a JSONL line with invalid UTF-8 bytes", "prepare", E,
-         r"jsonl_non_utf8_line\.jsonl:2: not valid UTF-8", src("jsonl_non_utf8_line.jsonl")),
+    Case("jsonl_non_utf8_line", "source", "a JSONL line with invalid UTF-8 bytes", "prepare", "skip:skipped_not_utf8",
+         setup=src("jsonl_non_utf8_line.jsonl")),
     Case("jsonl_line_is_array", "source", "a JSONL line holding an array", "prepare", E,
          r"jsonl_line_is_array\.jsonl:2: expected a JSON object", src("jsonl_line_is_array.jsonl")),
     Case("jsonl_no_messages_key", "source", "a record with neither `messages` nor `conversations`", "prepare", E,
@@ -344,7 +596,7 @@ CASES: list[Case] = [
     Case("unknown_role_skipped", "source", "a conversation with role `gpt4` (default on_unknown_role: skip)", "prepare",
          "skip:skipped_unknown_role", setup=src("unknown_role_skipped.json")),
     Case("unknown_role_fail", "source", "role `gpt4` with prepare.on_unknown_role: fail", "prepare", E,
-         r"unknown_role_fail\.json: record 2: role 'gpt4' .*prepare.role_map",
+         r"unknown_role_fail\.json: record 2 .*role 'gpt4' .*prepare.role_map",
          src("unknown_role_fail.json", "--prepare.on_unknown_role", "fail")),
     Case("all_roles_unknown", "source", "every conversation uses unmapped roles", "prepare", E,
          r"all_roles_unknown\.json: no sample kept .*role_map", src("all_roles_unknown.json")),
@@ -432,7 +684,7 @@ CASES: list[Case] = [
          r"capture/manifest\.json: hidden_size 7 differs",
          _copy_then(("data", "capture", "vocab"), lambda c: c.edit_manifest("capture", lambda m: m.update(hidden_size=7)))),
     Case("vocab_file_garbage", "manifest", "vocab/vocab.safetensors overwritten with garbage", "train", E,
-         r"vocab\.safetensors: unreadable",
+         r"vocab\.safetensors: checksum does not match",
          _copy_then(("data", "capture", "vocab"), lambda c: (c.run_dir / "vocab" / "vocab.safetensors").write_bytes(b"junk" * 9))),
     # -- non-finite hidden states -----------------------------------------------------------------
     Case("nan_from_target_some", "hidden", "the target gives NaN hidden states for some samples", "capture",
@@ -463,10 +715,180 @@ CASES: list[Case] = [
          _copy_then(("data", "capture", "vocab", "train"),
                     lambda c: (c.run_dir / "train" / "drafter" / "config.json").write_text("{"))),
     Case("checkpoint_misshaped", "drafter", "the checkpoint train resumes from has a mis-shaped tensor", "train", E,
-         r"step-\d+.*(do not match|differ|cannot load)", _resume_train_with(_misshaped_checkpoint)),
+         r"step-\d+.*(do not match|differ|cannot load)", _resume_train_with_sums(_misshaped_checkpoint)),
     Case("checkpoint_unreadable", "drafter", "the checkpoint train resumes from is garbage", "train", E,
          r"step-\d+: unreadable checkpoint",
-         _resume_train_with(_garbage_checkpoint)),
+         _resume_train_with_sums(_garbage_checkpoint)),
+    # -- more conversation files (issue 21) ----------------------------------------------------------
+    Case("jsonl_utf8_bom", "source", "a JSONL file starting with a byte-order mark", "prepare", "ok",
+         setup=_made("bom.jsonl", lambda: b"\xef\xbb\xbf" + _good_line())),
+    Case("jsonl_crlf", "source", "a JSONL file with Windows (CRLF) line ends", "prepare", "ok",
+         setup=_made("crlf.jsonl", lambda: _good_line().replace(b"\n", b"\r\n"))),
+    Case("json_crlf_bom", "source", "a ShareGPT array with a BOM and CRLF line ends", "prepare", "ok",
+         setup=_made("crlf.json", lambda: b"\xef\xbb\xbf[\r\n" + json.dumps(GOOD_REC).encode() + b",\r\n"
+                     + json.dumps(GOOD_REC).encode() + b"\r\n]\r\n")),
+    Case("json_trailing_comma", "source", "a ShareGPT array with a trailing comma", "prepare", "ok",
+         setup=_made("comma.json", lambda: ("[" + json.dumps(GOOD_REC) + ", " + json.dumps(GOOD_REC) + ",]").encode())),
+    Case("json_double_comma", "source", "two commas in a row inside a ShareGPT array", "prepare", "skip:skipped_empty_item",
+         setup=_made("commas.json", lambda: ("[" + json.dumps(GOOD_REC) + ",, " + json.dumps(GOOD_REC) + "]").encode())),
+    Case("jsonl_deep_nesting", "source", "a 200 kB record of nested brackets", "prepare", "skip:skipped_too_deep",
+         setup=_made("deep.jsonl", _deep_record)),
+    Case("json_deep_nesting", "source", "a 200 kB item of nested brackets in a ShareGPT array", "prepare",
+         "skip:skipped_too_deep", setup=_made("deep.json", lambda: b"[" + json.dumps(GOOD_REC).encode() + b', {"id": "d", '
+                                              b'"conversations": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]")),
+    Case("jsonl_line_too_large", "source", "a line over the record size limit", "prepare", "skip:skipped_too_large",
+         setup=_large_line),
+    Case("jsonl_all_lines_broken", "source", "every line invalid JSON or invalid UTF-8", "prepare", E,
+         r"all_broken\.jsonl: no sample kept .*invalid_json 2.*not_utf8 1",
+         _made("all_broken.jsonl", lambda: b'{"messages": [\n\xff\xfe\n{"messages": \n')),
+    Case("gzip_bomb", "source", "a .jsonl.gz that expands over 500x (a decompression bomb)", "prepare", E,
+         r"bomb\.jsonl\.gz: expands to more than 500x", _gzip_bomb),
+    Case("content_part_text_number", "source", "a content part whose `text` is a number", "prepare", E,
+         r"parts\.jsonl:1: message 0: content part 0 has `text` of type int",
+         _made("parts.jsonl", lambda: (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]},
+                                                                {"role": "assistant", "content": "x"}]}) + "\n").encode())),
+    Case("huge_message_cut_before_tokenizing", "source", "a 4 MB assistant message (max_length 64)", "prepare",
+         "skip:truncated", setup=_made("huge.jsonl", lambda: (json.dumps({"messages": [
+             {"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "once upon a time " * 250_000}]})
+             + "\n").encode() + _good_line(1))),
+    # -- more recipes: values refused at parse time ------------------------------------------------
+    Case("recipe_negative_max_steps", "recipe", "train.max_steps: -5", "train", E,
+         r"recipe\.yaml: train\.max_steps -5: must be >= 1", lambda c: [c.recipe(train={"max_steps": -5})]),
+    Case("recipe_zero_ttt_steps", "recipe", "train.ttt_steps: 0", "prepare", E, r"recipe\.yaml: train\.ttt_steps 0: must be >= 1",
+         lambda c: [c.recipe(train={"ttt_steps": 0})]),
+    Case("recipe_million_draft_steps", "recipe", "evaluate.draft_steps: 1000000", "prepare", E,
+         r"recipe\.yaml: evaluate\.draft_steps 1000000: must be <= 64", lambda c: [c.recipe(evaluate={"draft_steps": 10**6})]),
+    Case("recipe_zero_batch_tokens", "recipe", "capture.batch_tokens: 0", "capture", E,
+         r"recipe\.yaml: capture\.batch_tokens 0: must be >= 1", lambda c: [c.recipe(capture={"batch_tokens": 0})]),
+    Case("recipe_negative_tree_budget", "recipe", "evaluate.tree_budget: -1", "evaluate", E,
+         r"recipe\.yaml: evaluate\.tree_budget -1: must be >= 1", lambda c: [c.recipe(evaluate={"tree_budget": -1})]),
+    Case("recipe_zero_max_new_tokens", "recipe", "regenerate.max_new_tokens: 0", "prepare", E,
+         r"recipe\.yaml: regenerate\.max_new_tokens 0: must be >= 1", lambda c: [c.recipe(regenerate={"max_new_tokens": 0})]),
+    Case("recipe_nan_lr", "recipe", "train.lr: .nan", "prepare", E, r"recipe\.yaml: train\.lr nan: not a finite number",
+         lambda c: [c.recipe(train={"lr": float("nan")})]),
+    Case("recipe_negative_flag", "recipe", "--train.save_every -1 on the command line", "prepare", E,
+         r"recipe\.yaml: train\.save_every -1: must be >= 1", lambda c: [c.recipe(), "--train.save_every", "-1"]),
+    Case("recipe_yaml_alias_bomb", "recipe", "a recipe whose YAML aliases expand to 9^9 values", "prepare", E,
+         r"recipe\.yaml: its aliases expand to more than 100,000 values", _raw_recipe(ALIAS_BOMB)),
+    Case("recipe_too_large", "recipe", "a 2 MB recipe file", "prepare", E, r"recipe\.yaml: 2,097,\d+ bytes, too large",
+         _raw_recipe("name: big\n" + "#" * (2 << 20) + "\n")),
+    Case("recipe_is_a_folder", "recipe", "the recipe path is a folder", "prepare", E, r"folder\.yaml: not a file",
+         lambda c: [str((c.tmp / "folder.yaml").mkdir() or c.tmp / "folder.yaml")]),
+    Case("recipe_not_utf8", "recipe", "a recipe in Latin-1", "prepare", E, r"recipe\.yaml: not UTF-8 text",
+         _raw_recipe(b"name: caf\xe9\n")),
+    # -- more run folders ----------------------------------------------------------------------------
+    Case("run_dir_is_a_file", "run dir", "run_dir names a file", "prepare", E, r"run: run_dir is a file", _run_dir_is_file),
+    Case("stage_dir_symlink", "run dir", "the data/ folder is a symlink", "prepare", E, r"data: the stage folder is a symlink",
+         _stage_symlink),
+    Case("run_dir_locked", "run dir", "another process holds the run directory's lock", "prepare", E,
+         r"run: run directory is locked by pid \d+ \(`draftsmith train other\.yaml`", _locked),
+    Case("refused_rerun_keeps_output", "run dir", "a complete prepare rerun with inputs it refuses", "prepare", E,
+         r"good\.json: no sample kept", _refused_rerun),
+    Case("token_counts_flipped", "manifest", "one byte of data/token_counts.safetensors changed", "vocab", E,
+         r"token_counts\.safetensors: checksum does not match",
+         _copy_then(("data",), lambda c: _flip_last_byte(c.run_dir / "data" / "token_counts.safetensors"))),
+    Case("capture_shard_flipped_on_resume", "manifest", "a capture shard changed under a half-done train", "train", E,
+         r"capture/shard-00000\.safetensors: checksum does not match", _resume_with_flipped_capture),
+    Case("capture_resume_shard_missing", "manifest", "a half-done capture whose listed shard was deleted", "capture", "ok",
+         setup=_copy_then(("data", "capture"), lambda c: (c.edit_manifest("capture", lambda m: m.update(status="running")),
+                                                         _shard_path(c, "capture", 1).unlink()))),
+    Case("capture_resume_shard_corrupt", "manifest", "a half-done capture whose listed shard changed", "capture", "ok",
+         setup=_copy_then(("data", "capture"), lambda c: (c.edit_manifest("capture", lambda m: m.update(status="running")),
+                                                         _flip_last_byte(_shard_path(c, "capture", 0))))),
+    # -- more targets --------------------------------------------------------------------------------
+    Case("target_config_corrupt_prepare", "target", "target config.json is not valid JSON (prepare)", "prepare", E,
+         r"config\.json: not a valid model config", _target_edit(_edit_json("config.json", "{"), ())),
+    Case("target_config_corrupt_capture", "target", "target config.json is not valid JSON (capture)", "capture", E,
+         r"target.*(config\.json|cannot read the model files)", _target_edit(_edit_json("config.json", "{"))),
+    Case("target_config_is_list", "target", "target config.json is a JSON list", "capture", E,
+         r"target.*(config\.json|cannot read the model files|cannot load)", _target_edit(_edit_json("config.json", "[]"))),
+    Case("target_missing_layer", "target", "the target's weights lack decoder layer 2", "capture", E,
+         r"target: the weights lack \d+ tensor\(s\) its config\.json needs \(model\.layers\.2\.", _target_edit(_drop_layer)),
+    Case("target_weights_garbage", "target", "the target's model.safetensors is garbage", "capture", E,
+         r"target: cannot (read the model files|load the model)",
+         _target_edit(lambda t: (t / "model.safetensors").write_bytes(b"\x00" * 64))),
+    Case("target_no_weights", "target", "the target folder has no safetensors", "capture", E, r"target: no \*\.safetensors",
+         _target_edit(lambda t: (t / "model.safetensors").unlink())),
+    # -- more checkpoints ----------------------------------------------------------------------------
+    Case("checkpoint_checksum_flipped", "drafter", "one byte of the checkpoint train resumes from changed", "train", E,
+         r"step-\d+/state/.*: checksum does not match .*meta\.json", _resume_train_with(_flip_checkpoint)),
+    Case("checkpoint_file_missing", "drafter", "a state file of the checkpoint train resumes from deleted", "train", E,
+         r"step-\d+/state: holds .*meta\.json lists",
+         _resume_train_with(lambda d: sorted((d / "state").glob("*.safetensors"))[0].unlink())),
+    Case("latest_points_outside", "drafter", "train/latest names ../../../etc/step-000004", "train", E,
+         r"train/latest: names '\.\./\.\./\.\./etc/step-000004', not a step folder", _latest_outside),
+    # -- evaluate ------------------------------------------------------------------------------------
+    Case("evaluate_benchmark_missing", "evaluate", "evaluate.benchmarks names no file", "evaluate", E,
+         r"nope\.jsonl: no such file", _evaluate(lambda c: c.tmp / "nope.jsonl")),
+    Case("evaluate_no_prompts", "evaluate", "a benchmark whose records have no prompt", "evaluate", E,
+         r"prompts\.jsonl:1: record has no `prompt`", _evaluate(lambda c: _prompts(c, [{"question": "hi"}]))),
+    Case("evaluate_prompt_too_long", "evaluate", "a prompt longer than the target's positions", "evaluate",
+         "skip:prompts_too_long", setup=_evaluate(lambda c: _prompts(c, [{"prompt": "Count from 1 to 4."},
+                                                                          {"prompt": "word " * 3000}]))),
+    Case("evaluate_every_prompt_too_long", "evaluate", "every prompt longer than the target's positions", "evaluate", E,
+         r"no prompt fits the target's positions", _evaluate(lambda c: _prompts(c, [{"prompt": "word " * 3000}]))),
+    Case("evaluate_new_tokens_past_positions", "evaluate", "evaluate.max_new_tokens past the target's positions", "evaluate",
+         E, r"evaluate\.max_new_tokens 5000: .*max_position_embeddings",
+         _evaluate(lambda c: _prompts(c, [{"prompt": "hi"}]), max_new_tokens=5000)),
+    # -- import-drafter (exports) ---------------------------------------------------------------------
+    Case("import_ok", "export", "import-drafter of the run's own SGLang export", "import-drafter", "ok", setup=_import(),
+         check=_imported_ok),
+    Case("import_config_is_list", "export", "import-drafter: config.json is a JSON list", "import-drafter", E,
+         r"drafter/config\.json: a JSON list, not an object", _import(lambda d: (d / "config.json").write_text("[]"))),
+    Case("import_hidden_size_string", "export", "import-drafter: hidden_size is the string `big`", "import-drafter", E,
+         r"drafter/config\.json: a missing or malformed value",
+         _import(lambda d: _edit_json("config.json", lambda cfg: cfg.update(hidden_size="big"))(d))),
+    Case("import_missing_key", "export", "import-drafter: config.json without hidden_size", "import-drafter", E,
+         r"drafter/config\.json: a missing or malformed value \(key 'hidden_size'\)",
+         _import(lambda d: _edit_json("config.json", lambda cfg: cfg.pop("hidden_size"))(d))),
+    Case("import_weights_garbage", "export", "import-drafter: model.safetensors is garbage", "import-drafter", E,
+         r"model\.safetensors: unreadable safetensors", _import(lambda d: (d / "model.safetensors").write_bytes(b"junk" * 4))),
+    Case("import_bad_aux_ids", "export", "import-drafter --aux-layer-ids a,b", "import-drafter", E,
+         r"--aux-layer-ids 'a,b': not a comma-separated list", lambda c: [*_import()(c), "--aux-layer-ids", "a,b"]),
+    Case("import_src_missing", "export", "import-drafter of a folder that does not exist", "import-drafter", E,
+         r"nowhere: no such folder", lambda c: [str(c.tmp / "nowhere"), "--target", str(c.target), "--out", str(c.tmp / "o")]),
+    # -- bench-serve (URLs, metrics, credentials) ------------------------------------------------------
+    Case("bench_url_not_http", "serve", "bench-serve --url ftp://host/v1", "bench-serve", E, r"--url 'ftp://host/v1': not an http",
+         _bench(url="ftp://host/v1")),
+    Case("bench_url_bad_port", "serve", "bench-serve --url with a port that is not a number", "bench-serve", E,
+         r"--url 'http://127\.0\.0\.1:notaport/v1': not an http", _bench(url="http://127.0.0.1:notaport/v1")),
+    Case("bench_no_server", "serve", "bench-serve against a port nothing listens on", "bench-serve", E,
+         r"http://127\.0\.0\.1:9/v1: cannot list the served models", _bench(url="http://127.0.0.1:9/v1")),
+    Case("bench_credentials_in_error", "serve", "a URL with user:password to a dead server", "bench-serve", E,
+         r"http://\*\*\*@127\.0\.0\.1:9/v1: cannot list", _bench(url="http://me:pa55word@127.0.0.1:9/v1")),
+    Case("bench_api_key_env_unset", "serve", "--api_key_env names an unset variable", "bench-serve", E,
+         r"--api_key_env NO_SUCH_KEY_VAR: the environment variable NO_SUCH_KEY_VAR is not set",
+         _bench("--api_key_env", "NO_SUCH_KEY_VAR", url="http://127.0.0.1:9/v1")),
+    Case("bench_wrong_api_key", "serve", "a server that refuses the API key", "bench-serve", E,
+         r"cannot list the served models \(GET /models answered HTTP 401",
+         _bench("--api_key_env", "K", stub={"api_key": "right"}, env={"K": "wrong"})),
+    Case("bench_concurrency_zero", "serve", "bench-serve --concurrency [0]", "bench-serve", E, r"--concurrency \[0\]: not a list of positive levels; give positive",
+         _bench("--concurrency", "[0]", url="http://127.0.0.1:9/v1")),
+    Case("bench_metrics_bad_labels", "serve", "/metrics with a non-numeric position label and garbage lines", "bench-serve",
+         "ok", setup=_bench(stub={"spec_k": 2, "extra_metrics": 'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+                                  '{position="x"} 3\nthis is not prometheus\nvllm:foo{a="b"} notanumber\n'}),
+         check=_bench_ok),
+    Case("bench_api_key_ok", "serve", "a server that needs the API key given by --api_key_env", "bench-serve", "ok",
+         setup=_bench("--api_key_env", "K", stub={"api_key": "right-key"}, env={"K": "right-key"}), check=_bench_ok),
+    # -- plan ------------------------------------------------------------------------------------------
+    Case("plan_config_size_not_number", "plan", "plan --target a config whose hidden_size is `x`", "plan", E,
+         r"cfg\.json: a size in the config is not a number", lambda c: ["--target", str(_write(c, "cfg.json", '{"hidden_size": "x", '
+                                                                  '"num_hidden_layers": 2, "vocab_size": 10}'))]),
+    Case("plan_config_is_list", "plan", "plan --target a config.json that is a JSON list", "plan", E,
+         r"list\.json: a JSON list, not a model config", lambda c: ["--target", str(_write(c, "list.json", "[]"))]),
+    Case("plan_config_missing", "plan", "plan --target a file that does not exist", "plan", E, r"nope\.json: file not found",
+         lambda c: ["--target", str(c.tmp / "nope.json")]),
+    # -- status and doctor ---------------------------------------------------------------------------
+    Case("status_no_run_dir", "status", "status of a folder that does not exist", "status", E, r"nope: no such run directory",
+         lambda c: [str(c.tmp / "nope")]),
+    Case("status_garbage_ledger", "status", "a ledger with torn and garbage lines", "status", "ok",
+         setup=_copied_run("data", edit=lambda c: open(c.run_dir / "ledger.jsonl", "ab").write(b'{"torn": \n\xff\xfe garbage\n[1, 2]\n')),
+         check=_status_ok),
+    Case("status_manifest_garbage", "status", "status with data/manifest.json not JSON (reported, not raised)", "status", "ok",
+         setup=_copied_run("data", edit=lambda c: (c.run_dir / "data" / "manifest.json").write_text("{")),
+         check=_status_names_broken_manifest),
+    Case("doctor_bad_recipe", "status", "doctor with a recipe value it refuses", "doctor", E,
+         r"recipe\.yaml: train\.max_steps 0: must be >= 1", lambda c: [c.recipe(train={"max_steps": 0})]),
     # -- full disk ---------------------------------------------------------------------------------
     Case("disk_full_prepare", "disk", "the disk fills up after prepare wrote 3 files", "prepare", E,
          r"data/.*: cannot write \(No space left on device\)", _disk_full(3), then_rerun_ok=True),
@@ -495,7 +917,10 @@ def behaviour(case: Case) -> str:
         return "complete records kept, the cut reported (`truncated_source`)"
     if case.expect.startswith("skip:"):
         return f"skipped and counted (`counts.{case.expect[5:]}`)"
-    return "accepted"
+    if case.check is not None:
+        doc = (case.check.__doc__ or "").strip().split("\n")[0]
+        return f"accepted, exit 0{': ' + doc if doc else ''}"
+    return "accepted, exit 0: stage complete, every listed shard present and matching its checksum"
 
 
 def table() -> str:

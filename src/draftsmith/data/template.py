@@ -152,6 +152,18 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+_MAX_TOKEN_CHARS: dict[int, int] = {}
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` covers (the longest vocab string: byte-level and
+    sentencepiece tokens spell one character per byte or character they stand for)."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        _MAX_TOKEN_CHARS[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    return _MAX_TOKEN_CHARS[key]
+
+
 def render(tokenizer: Any, messages: Sequence[dict], max_length: int,
            answer_ids: Optional[Sequence[Optional[Sequence[int]]]] = None) -> Rendered:
     """Token ids, assistant-only loss mask and truncation flag of one conversation.
@@ -165,7 +177,14 @@ def render(tokenizer: Any, messages: Sequence[dict], max_length: int,
         raise DraftsmithError(f"tokenizer {tokenizer_name(tokenizer)}: not a fast tokenizer (no offset mapping); "
                               "give the target folder a tokenizer.json (save it with a fast tokenizer class)")
     text, spans = content_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    limit = None if answer_ids is not None else (max_length + 2) * max_token_chars(tokenizer) + 64
+    cut = limit is not None and len(text) > limit
+    enc = tokenizer(text[:limit] if cut else text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    if cut and len(enc["input_ids"]) <= max_length:  # text the tokenizer dropped (normalizers): the bound did not hold
+        cut = False
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    if cut:  # only the text that can reach the first max_length tokens is tokenized (a 1 MB message costs no more)
+        spans = [(s, min(e, limit)) for s, e in spans if s < limit]
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
     starts, ends = [a for a, _ in offsets], [b for _, b in offsets]
     special = _special_ids(tokenizer)
@@ -200,7 +219,7 @@ def render(tokenizer: Any, messages: Sequence[dict], max_length: int,
             out_mask += [1] * len(new)
             prev = t1
         ids, mask = out_ids + ids[prev:], out_mask + mask[prev:]
-    truncated = len(ids) > max_length
+    truncated = cut or len(ids) > max_length
     return Rendered(ids[:max_length], mask[:max_length], truncated, eot_missing, unspliced, answer_starts)
 
 

@@ -15,6 +15,7 @@ killed evaluation resumes after the last finished prompt.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
@@ -24,7 +25,8 @@ from ..data.readers import load_prompts
 from ..draft.io import load_drafter, read_drafter_config
 from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
-from .measure import DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, run_method, run_plain, seeded_generator
+from .measure import (DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, method_depth, run_method, run_plain,
+                      seeded_generator)
 from .report import fmt, plot_acceptance, print_table, render_report, summarize, table_rows
 
 PARTIAL = "partial.jsonl"
@@ -78,6 +80,28 @@ def answer_text(tokenizer, new_tokens: list[int], eos_ids: list[int]) -> str:
 # ----------------------------------------------------------------------------- stage
 
 
+def max_positions(target) -> Optional[int]:
+    """The target's max_position_embeddings (its text config's), or None when it declares none."""
+    cfg = target.model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def prompt_budget(target, cfg, methods: list[str]) -> Optional[int]:
+    """Longest prompt (tokens) that leaves room in the target's positions for max_new_tokens and the
+    deepest draft a method verifies past them; None when the target declares no limit."""
+    n = max_positions(target)
+    if n is None:
+        return None
+    depth = max([method_depth(cfg, m) for m in methods], default=0)
+    budget = n - cfg.max_new_tokens - depth - 1
+    if budget < 1:
+        raise DraftsmithError(f"evaluate.max_new_tokens {cfg.max_new_tokens}: with draft depth {depth} it leaves no room for a "
+                              f"prompt in the target's {n} positions (max_position_embeddings); lower evaluate.max_new_tokens")
+    return budget
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.evaluate
     run_dir = Path(run_dir)
@@ -124,6 +148,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         for m in methods:
             run_method(target, drafter, m, prompts, cfg, eos, seeded_generator(target, cfg, -1), n, runners=runners)
         warmed.add(len(prompts))
+    budget = prompt_budget(target, cfg, methods)
+    too_long: list[dict] = []  # turns whose prompt does not fit the target's positions with max_new_tokens
     records, rendered = [], []  # rendered: (prompt ids, batch-1 plain output) of every turn, for batches
     for n, (key, bench, p) in enumerate(todo, 1):
         history: list[dict] = []
@@ -132,6 +158,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             history.append({"role": "user", "content": text})
             ids = render_prompt(target.tokenizer, list(history), where)
             tkey = key if turn == 0 else f"{key}/turn{turn + 1}"
+            if budget is not None and len(ids) > budget:  # refused, counted and reported; later turns only grow
+                too_long.append({"key": tkey, "benchmark": bench, "id": p.id, "prompt_tokens": len(ids), "limit": budget})
+                log(f"[evaluate] {where}: {len(ids):,} prompt tokens, over the {budget:,} that fit the target's positions "
+                    f"with max_new_tokens {cfg.max_new_tokens}; skipped (counted as prompts_too_long)")
+                break
             rec = done.get(tkey)
             if rec is None:
                 warm_up([ids])
@@ -145,6 +176,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             rendered.append((ids, rec["plain_tokens"]))
             history.append({"role": "assistant", "content": answer_text(target.tokenizer, rec["plain_tokens"], eos)})
 
+    if not records:
+        raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
+                              f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
+                              "lower evaluate.max_new_tokens")
     batch_records = []
     for B in sorted({b for b in cfg.batch_sizes if b > 1}):
         for j in range(0, len(rendered) - B + 1, B):  # full batches only
@@ -169,7 +204,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     summary["path"] = runners.mode
     summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
     atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,
-                                                 "prompts": records, "batches": batch_records})
+                                                 "prompts": records, "batches": batch_records, "prompts_too_long": too_long})
     atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
     atomic_write_bytes(out_dir / "acceptance.png", plot_acceptance(summary))
     print_table(table_rows(summary))
@@ -177,7 +212,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # The headline figures: EAGLE-3 chain (the planner's per-position profile is a chain's).
     main = next((m for m in ("eagle3_chain", "eagle3_tree", "ngram") if m in methods), None)
     o = summary["methods"][main]["overall"] if main else {}
-    manifest["counts"] = {"prompts": len(records), "plain_new_tokens": summary["plain"]["new_tokens"],
+    manifest["counts"] = {"prompts": len(records), "prompts_too_long": len(too_long),
+                          "plain_new_tokens": summary["plain"]["new_tokens"],
                           "batches": len(batch_records),
                           "near_tie_divergences": sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
                                                       for s in summary["methods"].values())}

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..artifacts import DraftsmithError, finish_manifest, log, new_manifest, read_json, sha256_file
@@ -88,7 +89,21 @@ def read_checkpoint(folder: str | Path, num_layers: Optional[int], aux_layer_ids
     the target's decoder-layer count; `aux_layer_ids` (internal) overrides the file's ids."""
     folder = Path(folder)
     where = str(folder / "config.json")
+    if not folder.is_dir():
+        raise DraftsmithError(f"{folder}: no such folder; give the folder of an EAGLE-3 drafter (config.json + *.safetensors)")
     c = read_json(folder / "config.json")
+    if not isinstance(c, dict):
+        raise DraftsmithError(f"{where}: a JSON {type(c).__name__}, not an object; give the config.json of an EAGLE-3 drafter")
+    try:
+        return _read_checkpoint(folder, c, where, num_layers, aux_layer_ids)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a config key missing or of the wrong type
+        what = f"key {e}" if isinstance(e, KeyError) else " ".join(str(e).split())[:160]
+        raise DraftsmithError(f"{where}: a missing or malformed value ({what}); fix config.json (numbers for sizes, "
+                              "an object for transformer_layer_config)") from None
+
+
+def _read_checkpoint(folder: Path, c: dict, where: str, num_layers: Optional[int], aux_layer_ids: Optional[list[int]]
+                     ) -> tuple[str, Eagle3Config, dict[str, torch.Tensor]]:
     fmt = detect_format(c, where)
     if fmt == "vllm":
         missing = [k for k in ("transformer_layer_config", "draft_vocab_size") if k not in c]
@@ -114,7 +129,10 @@ def read_checkpoint(folder: str | Path, num_layers: Optional[int], aux_layer_ids
                               "convert the checkpoint to safetensors first")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise DraftsmithError(f"{f}: unreadable safetensors ({' '.join(str(e).split())[:160]}); re-download the drafter") from None
     state = {("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k: v for k, v in state.items()}
     return fmt, cfg, state
 
@@ -211,7 +229,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run code shipped with the target folder (off: only trust a folder you know)")
     args = p.parse_args(argv)
-    ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    try:
+        ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    except ValueError:
+        raise DraftsmithError(f"--aux-layer-ids {args.aux_layer_ids!r}: not a comma-separated list of layer numbers; "
+                              "give e.g. 1,29,57") from None
     if args.run_dir:
         info = import_into_run(args.src, args.target, args.run_dir, ids, args.trust_remote_code)["imported"]
         dest = Path(args.run_dir) / "train" / "drafter"

@@ -21,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import re
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from jsonargparse import ActionConfigFile
 from tqdm import tqdm
@@ -88,6 +90,10 @@ class BenchServeConfig:
     """Shuffles the prompt order (the same order for every level and endpoint)."""
     progress: bool = True
     """Show a progress bar."""
+    api_key_env: Optional[str] = None
+    """Name of an environment variable holding the servers' API key (`vllm serve --api-key`,
+    SGLang's --api-key), sent as `Authorization: Bearer KEY`. The key itself never goes on the
+    command line, and it is redacted (with any user:password in a URL) from every output."""
 
 
 @dataclass
@@ -112,6 +118,70 @@ class RequestResult:
         if self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+# ----------------------------------------------------------------------------- credentials
+
+REDACTED = "***"
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:api[_-]?key|key|token|access_token|secret|password|auth)=)[^&#\s]*")
+
+
+def redact_url(url: Optional[str]) -> Optional[str]:
+    """`url` without credentials: user:password@ becomes ***@, secret query values ***."""
+    if not url:
+        return url
+    try:
+        u = urlsplit(url)
+    except ValueError:
+        return REDACTED
+    netloc = u.netloc
+    if "@" in netloc:
+        netloc = f"{REDACTED}@{netloc.rsplit('@', 1)[1]}"
+    return _SECRET_QUERY.sub(lambda m: m.group(1) + REDACTED, urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment)))
+
+
+def secrets_of(cfg: "BenchServeConfig", api_key: Optional[str]) -> list[str]:
+    """Every credential string the run knows: the API key, and the user info / secret query values of its URLs."""
+    out = [api_key] if api_key else []
+    for u in (cfg.url, cfg.url_b, cfg.metrics_url, cfg.metrics_url_b):
+        if not u:
+            continue
+        try:
+            parts = urlsplit(u)
+        except ValueError:
+            continue
+        if "@" in parts.netloc:
+            info = parts.netloc.rsplit("@", 1)[0]
+            out += [info, *info.split(":", 1)]
+        out += [m.group(0)[len(m.group(1)):] for m in _SECRET_QUERY.finditer("?" + parts.query.replace("&", "&"))]
+    return sorted({s for s in out if s and len(s) >= 3}, key=len, reverse=True)
+
+
+def redact(obj: Any, secrets: list[str]) -> Any:
+    """`obj` (JSON-like) with every URL's credentials and every known secret string replaced by ***."""
+    if isinstance(obj, dict):
+        return {k: redact(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        s = obj
+        if "://" in s:
+            s = re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>:;,.)]", lambda m: redact_url(m.group(0)) or "", s)
+        for secret in secrets:
+            s = s.replace(secret, REDACTED)
+        return s
+    return obj
+
+
+def api_key_from_env(name: Optional[str]) -> Optional[str]:
+    """The API key in environment variable `name` (None when no name is given)."""
+    if not name:
+        return None
+    key = os.environ.get(name)
+    if not key:
+        raise DraftsmithError(f"--api_key_env {name}: the environment variable {name} is not set or empty; "
+                              f"export {name}=YOUR_KEY (the key never goes on the command line)")
+    return key
 
 
 # ----------------------------------------------------------------------------- one request
@@ -178,7 +248,7 @@ async def _stream(client, url: str, body: dict, t0: float) -> RequestResult:
 
 async def one_request(client, url: str, body: dict, timeout_s: float) -> RequestResult:
     """Send one streaming request; never raises, never outlives `timeout_s`."""
-    import httpx  # why here: an optional dependency, needed only when requests are sent
+    import httpx  # why here: ~0.2 s to import, needed only when requests are sent
 
     t0 = time.perf_counter()
     try:
@@ -308,8 +378,8 @@ def _resolve_metrics_url(given: Optional[str], url: str) -> Optional[str]:
     return _server_root(url) + "/metrics"
 
 
-async def run_sweep(cfg: BenchServeConfig, prompts: list[str]) -> dict:
-    import httpx  # why here: an optional dependency, needed only when requests are sent
+async def run_sweep(cfg: BenchServeConfig, prompts: list[str], api_key: Optional[str] = None) -> dict:
+    import httpx  # why here: ~0.2 s to import, needed only when requests are sent
 
     eps = [Endpoint(cfg.label, cfg.url, cfg.model or "", _resolve_metrics_url(cfg.metrics_url, cfg.url))]
     if cfg.url_b:
@@ -319,7 +389,8 @@ async def run_sweep(cfg: BenchServeConfig, prompts: list[str]) -> dict:
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=min(10.0, cfg.request_timeout_s))
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
     out: dict[str, Any] = {"levels": {ep.label: [] for ep in eps}}
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=headers) as client:
         for ep in eps:
             ep.model = ep.model or await _discover_model(client, ep)
             warm = [await one_request(client, ep.url.rstrip("/") + ("/chat/completions" if cfg.api == "chat" else "/completions"),
@@ -445,18 +516,31 @@ def run(cfg: BenchServeConfig) -> dict:
     """The whole benchmark: prompts, sweep, results.json, plot, ledger. Returns the results."""
     levels = list(cfg.concurrency)
     if not levels or any(c < 1 for c in levels):
-        raise DraftsmithError(f"--concurrency {levels}: give positive integers, e.g. [1,2,4,8]")
-    for name in ("url", "url_b"):
+        raise DraftsmithError(f"--concurrency {levels}: not a list of positive levels; give positive integers, e.g. [1,2,4,8]")
+    for name in ("url", "url_b", "metrics_url", "metrics_url_b"):
         u = getattr(cfg, name)
-        if u and urlsplit(u).scheme not in ("http", "https"):
-            raise DraftsmithError(f"--{name} {u!r}: not an http(s) URL; give e.g. http://127.0.0.1:8000/v1")
+        if name.startswith("metrics") and (not u or u.lower() == "none"):
+            continue
+        try:
+            parts = urlsplit(u) if u else None
+            ok = parts is None or (parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0)
+        except ValueError:  # e.g. a port that is not a number
+            ok = False
+        if not ok:
+            raise DraftsmithError(f"--{name} {redact_url(u)!r}: not an http(s) URL with a host; give e.g. http://127.0.0.1:8000/v1")
+    api_key = api_key_from_env(cfg.api_key_env)
+    secrets = secrets_of(cfg, api_key)
     prompts = [p.turns[0] for p in load_prompts(cfg.prompts, cfg.max_prompts)]
     random.Random(cfg.seed).shuffle(prompts)
     out_dir = Path(cfg.out_dir or (Path(cfg.run_dir) / "bench_serve" if cfg.run_dir else "bench_serve"))
     t0 = time.time()
-    res = asyncio.run(run_sweep(cfg, prompts))
+    try:
+        res = asyncio.run(run_sweep(cfg, prompts, api_key))
+    except DraftsmithError as e:  # its message names the URL, which may hold credentials
+        raise DraftsmithError(redact(str(e), secrets)) from None
     res = {"config": asdict(cfg), "started_at": t0, "wall_s": round(time.time() - t0, 3),
            "versions": package_versions(), "num_prompts": len(prompts), **res}
+    res = redact(to_jsonable(res), secrets)  # results.json, the printed table and the ledger never hold a credential
     atomic_write_json(out_dir / "results.json", res)
     plot(res, out_dir / "bench_serve.png")
     res["files"] = {"results": str(out_dir / "results.json"), "plot": str(out_dir / "bench_serve.png")}

@@ -51,8 +51,9 @@ def _per_pos(samples: dict, name: str) -> dict[int, float]:
     out: dict[int, float] = defaultdict(float)
     for n in (name + "_total", name):
         for labels, v in samples.get(n, []):
-            if "position" in labels:
-                out[int(labels["position"])] += v
+            pos = labels.get("position", "")
+            if pos.isdigit():  # a position label that is not a number is not ours to guess: skipped
+                out[int(pos)] += v
         if out:
             break
     return dict(out)

@@ -26,6 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from ..compat import cache_kwargs, output_cache
+
 FAULTS = ("ok", "error", "stall", "drop")
 
 
@@ -57,8 +59,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
+    def _authorized(self) -> bool:
+        """Like `vllm serve --api-key`: every /v1 request needs `Authorization: Bearer KEY`."""
+        stub = self.server.stub
+        if stub.api_key is None or not self.path.startswith("/v1") or \
+                self.headers.get("Authorization") == f"Bearer {stub.api_key}":
+            return True
+        stub.unauthorized += 1
+        self._send(401, b'{"error": {"message": "Unauthorized"}}')
+        return False
+
     def do_GET(self) -> None:
         stub = self.server.stub
+        if not self._authorized():
+            return
         if self.path.rstrip("/") == "/v1/models":
             self._send(200, json.dumps({"object": "list", "data": [{"id": stub.model_name, "object": "model"}]}).encode())
         elif self.path == "/metrics" and stub.expose_metrics:
@@ -71,6 +85,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         stub = self.server.stub
         chat = self.path.rstrip("/") == "/v1/chat/completions"
+        if not self._authorized():
+            return
         if not chat and self.path.rstrip("/") != "/v1/completions":
             return self._send(404, b'{"error": {"message": "not found"}}')
         try:
@@ -129,7 +145,8 @@ class StubServer:
     def __init__(self, port: int = 0, step_s: float = 0.002, contention: float = 0.0, spec_k: int = 0,
                  accept_pattern: tuple[int, ...] = (3, 1, 2, 0), faults: tuple[str, ...] = ("ok",),
                  stall_s: float = 3600.0, expose_metrics: bool = True, model_name: str = "stub",
-                 generator: Optional[Callable[[str, int, bool], Iterator[str]]] = None):
+                 generator: Optional[Callable[[str, int, bool], Iterator[str]]] = None, api_key: Optional[str] = None,
+                 extra_metrics: str = ""):
         bad = [f for f in faults if f not in FAULTS]
         if bad:
             raise ValueError(f"unknown faults {bad}; use {FAULTS}")
@@ -137,6 +154,7 @@ class StubServer:
         self.accept_pattern = tuple(min(a, spec_k) for a in accept_pattern) if spec_k else (0,)
         self.faults, self.stall_s, self.expose_metrics = tuple(faults), stall_s, expose_metrics
         self.model_name, self.generator = model_name, generator
+        self.api_key, self.unauthorized, self.extra_metrics = api_key, 0, extra_metrics
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._requests = 0
@@ -221,7 +239,7 @@ class StubServer:
             lines.append("# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter")
             lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="{self.model_name}",'
                       f'position="{j}"}} {float(v)}' for j, v in enumerate(c["per_pos"])]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.extra_metrics
 
 
 def hf_generator(model_dir: str | Path) -> Callable[[str, int, bool], Iterator[str]]:
@@ -245,10 +263,10 @@ def hf_generator(model_dir: str | Path) -> Callable[[str, int, bool], Iterator[s
         with lock, torch.inference_mode():
             out, cache = model(input_ids=ids, use_cache=True), None
             for _ in range(max_tokens):
-                cache = out.past_key_values
+                cache = output_cache(out)
                 nxt = int(out.logits[0, -1].argmax())
                 yield tok.decode([nxt])
-                out = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+                out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **cache_kwargs(model, cache))
     return generate
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..compat import require_compatible_tokenizers
+from ..compat import cache_kwargs, output_cache, require_compatible_tokenizers
 from ..target.model import TargetOutput, load_tokenizer, resolve_device, resolve_dtype
 from .cache import crop_cache
 from .tree import DraftTree
@@ -46,8 +46,8 @@ class IndependentDraftProposer:
         return next(self.model.parameters()).device
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, **cache_kwargs(self.model, self.cache))
+        self.cache = output_cache(out)
         self.cached += len(ids)
         return out.logits[0, -1].float()
 

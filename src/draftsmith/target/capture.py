@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
-                         remove_temp_files, require_complete, stage_dir, token_stage, verify_shards, write_manifest)
+                         remove_temp_files, require_complete, safe_join, sha256_file, stage_dir, token_stage, verify_shards,
+                         write_manifest)
 from ..config import Recipe
 from ..distributed import barrier, from_rank0, init_distributed, rank_device
 from ..data.shards import STORAGE_DTYPES, Sample, bytes_per_token, length_batches, read_shard, write_shard
@@ -88,6 +89,28 @@ def _listed(out_dir: Path, m: dict, fp: str) -> dict[str, dict]:
     return entries
 
 
+def _drop_damaged(out_dir: Path, entries: dict[str, dict], m: dict) -> None:
+    """Unlist (from `entries`, the manifest and every rank file) and delete the listed shards whose
+    file is missing or does not match its sha256, so this run captures them again instead of
+    marking a capture complete over them."""
+    bad = [n for n, e in entries.items()
+           if not (safe_join(out_dir, n).is_file() and sha256_file(safe_join(out_dir, n)) == e.get("sha256"))]
+    if not bad:
+        return
+    for n in bad:
+        entries.pop(n)
+        safe_join(out_dir, n).unlink(missing_ok=True)
+    m["shards"] = [e for e in m["shards"] if e.get("file") not in bad]
+    for p in sorted(out_dir.glob(".rank-*.json")):
+        try:
+            part = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        part["shards"] = [e for e in part.get("shards", []) if e.get("file") not in bad]
+        atomic_write_json(p, part)
+    log(f"[capture] {len(bad)} listed shard(s) missing or not matching their checksum ({', '.join(bad[:3])}); capturing them again")
+
+
 def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
     m["shards"] = [entries[n] for n in order if n in entries]
     m["counts"] = {"samples": sum(s["num_samples"] for s in m["shards"]),
@@ -125,6 +148,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                  target_vocab_size=target.vocab_size, storage_dtype=cfg.storage_dtype, bytes_per_token=bpt,
                  target_architecture=type(target.model).__name__, world_size=info.world_size, source=upstream)
         entries = _listed(out_dir, m, fp)
+        _drop_damaged(out_dir, entries, m)  # a resume rewrites listed shards that are gone or changed
         todo_tokens = sum(s["num_tokens"] for s in data_m["shards"] if s["file"] not in entries)
         need, free = todo_tokens * bpt, shutil.disk_usage(out_dir).free
         log(f"[capture] {todo_tokens:,} tokens x {bpt:,} bytes/token = {need / 2**30:.2f} GiB to write; "

@@ -16,9 +16,10 @@ from typing import Any, Optional
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError
+from ..compat import cache_kwargs, output_cache
 from ..distributed import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,6 +39,14 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer  # why here: transformers takes seconds to import; only loaders need it
 
+    config = Path(path) / "config.json"
+    if config.exists():  # a broken config.json breaks the tokenizer load too: name the real culprit
+        try:
+            if not isinstance(json.loads(config.read_bytes()), dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DraftsmithError(f"{config}: not a valid model config ({' '.join(str(e).split())[:120]}); "
+                                  "re-download the model or fix config.json") from None
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -68,7 +77,7 @@ def read_text_config(path: str | Path, trust_remote_code: bool = False,
     path = Path(path)
     try:
         return text_config(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise DraftsmithError(f"{path / 'config.json'}: cannot read the target config ({str(e).splitlines()[0][:200]}); {fix}") from None
 
 
@@ -138,8 +147,8 @@ class Target:
                 use_cache: bool = False, with_logits: bool = True) -> TargetOutput:
         """Target forward. Without logits only the decoder runs (capture: no lm_head cost)."""
         self._captured.clear()
-        kw = dict(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                  position_ids=position_ids, use_cache=use_cache)
+        kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache,
+                  **cache_kwargs(self.model if with_logits else self.decoder, past_key_values))
         if with_logits:
             out = self.model(**kw, output_hidden_states=False, return_dict=True)
             logits = out.logits
@@ -150,7 +159,7 @@ class Target:
         # Under a device_map the aux layers may sit on different GPUs.
         aux = torch.cat([self._captured[i].to(final.device) for i in self.aux_layer_ids], dim=-1)
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final,
-                            past_key_values=getattr(out, "past_key_values", None))
+                            past_key_values=output_cache(out))
 
     def _install_final_hook(self) -> None:
         def hook(_m, _i, output):
@@ -203,12 +212,22 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
         extra = {"device_map": device_map} if device_map else {}
         if experts_implementation:
             extra["experts_implementation"] = experts_implementation
-        model = model_class(config).from_pretrained(str(path), config=config, dtype=dt,
-                                                    trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
+        model, loading = model_class(config).from_pretrained(str(path), config=config, dtype=dt, output_loading_info=True,
+                                                             trust_remote_code=trust_remote_code, use_safetensors=True, **extra)
+    except (OSError, SafetensorError, KeyError, TypeError, AttributeError) as e:
+        # OSError (EnvironmentError): an unreadable config.json or weights; the others: a config.json that is not a
+        # config (a list, a string where a number belongs) or weights that are not safetensors
+        raise DraftsmithError(f"{path}: cannot read the model files ({' '.join(str(e).split())[:200]}); re-download the model "
+                              "or fix config.json") from None
     except ValueError as e:
         hint = "set target.trust_remote_code: true if you trust this folder's code" if "trust_remote_code" in str(e) \
             else "check that the folder holds a causal LM that transformers supports"
         raise DraftsmithError(f"{path}: cannot load the model ({str(e).splitlines()[0][:200]}); {hint}") from None
+    missing = sorted((loading or {}).get("missing_keys") or [])
+    if missing:  # transformers would initialise them at random: a target that computes something else
+        raise DraftsmithError(f"{path}: the weights lack {len(missing)} tensor(s) its config.json needs ({', '.join(missing[:3])}"
+                              f"{', ...' if len(missing) > 3 else ''}); the checkpoint is incomplete or for another config, "
+                              "re-download the model")
     if not device_map:
         model.to(dev)
     model.eval()

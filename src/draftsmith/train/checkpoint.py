@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError, atomic_write_json, atomic_write_text, fsync_dir, read_json
+from ..artifacts import DraftsmithError, atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
 from ..distributed import DistInfo, barrier
 
 KEEP = 2
@@ -102,7 +102,9 @@ def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: tor
         for f in (tmp / STATE).iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        atomic_write_json(tmp / "meta.json", {**meta, "step": step, "world_size": info.world_size, "rng": rng_state()})
+        sums = {f.name: sha256_file(f) for f in sorted((tmp / STATE).glob("*.safetensors"))}
+        atomic_write_json(tmp / "meta.json", {**meta, "step": step, "world_size": info.world_size, "rng": rng_state(),
+                                              "state_sha256": sums})
         if final.exists():  # the same step saved again (a rerun of a finished run)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -120,8 +122,12 @@ def find_latest(train_dir: Path) -> Optional[Path]:
     """The folder `latest` names; if it is gone, the newest complete step folder; else None."""
     pointer = train_dir / LATEST
     if pointer.exists():
-        p = train_dir / pointer.read_text().strip()
-        if STEP_RE.match(p.name) and (p / "meta.json").exists():
+        name = pointer.read_text(errors="replace").strip()
+        if not STEP_RE.match(name):  # a bare step-NNNNNN name: nothing outside train/ is ever read
+            raise DraftsmithError(f"{pointer}: names {name[:80]!r}, not a step folder of this run (step-NNNNNN); "
+                                  f"delete {pointer} to resume from the newest step folder")
+        p = train_dir / name
+        if (p / "meta.json").exists():
             return p
     steps = sorted((int(m.group(1)), p) for p in train_dir.glob("step-*") if (m := STEP_RE.match(p.name)) and (p / "meta.json").exists())
     return steps[-1][1] if steps else None
@@ -136,6 +142,16 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, opt: torch.optim.Optim
 
     meta = read_json(folder / "meta.json")
     files = sorted((folder / STATE).glob("*.safetensors"))
+    sums = meta.get("state_sha256") if isinstance(meta, dict) else None
+    if isinstance(sums, dict):  # checkpoints written since the checksums were recorded
+        found = {f.name for f in files}
+        if found != set(sums):
+            raise DraftsmithError(f"{folder / STATE}: holds {sorted(found)[:4]}, meta.json lists {sorted(sums)[:4]}; the checkpoint "
+                                  f"is incomplete, delete {folder} to resume from the previous one")
+        for f in files:
+            if sha256_file(f) != sums[f.name]:
+                raise DraftsmithError(f"{f}: checksum does not match {folder / 'meta.json'}; the checkpoint is corrupt, "
+                                      f"delete {folder} to resume from the previous one")
     try:
         saved = set()
         for f in files:

@@ -426,8 +426,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         remove_temp_files(out_dir, recursive=True)  # half-written files of a killed run (rank 0 is the only writer)
         write_manifest(out_dir, manifest)
-    # Hashing every shard costs a full read of the capture; do it once (rank 0), not on each resume.
-    shard_paths = verify_shards(source.dir, source.manifest, check_hash=latest is None and main)
+    # Every shard is hashed on rank 0, on a resume too: a byte flipped since the last run must not train.
+    shard_paths = verify_shards(source.dir, source.manifest, check_hash=main)
 
     # -- target tensors, vocab, data, drafter ----------------------------------------------
     device = info.device
