@@ -4,7 +4,7 @@ Takes a run directory whose train stage is complete (recipe.yaml + train/drafter
 in one process, plain decoding against EAGLE-3 chain, EAGLE-3 tree and n-gram (prompt lookup)
 on MT-Bench first turns, greedy; every greedy output is checked against plain decoding.
 
-    python benchmarks/bench_speculative.py --run_dir runs/h200-reference --out benchmarks/results/h200.json
+    python benchmarks/bench_speculative.py --run_dir runs/h200-reference --out benchmarks/out/bench_speculative.json
     python benchmarks/bench_speculative.py --run_dir runs/quickstart --smoke     # CPU check, ~1 minute
 
 Keys: tau_mtbench_chain, tau_mtbench_tree, speedup_bs1_chain, speedup_bs1_tree, speedup_over_tau_bs1

@@ -10,7 +10,7 @@ Two modes:
                          padding; median over steps, with the step-time spread max/min so swings
                          show) and the compile counters of torch._dynamo (graphs, recompiles)
 
-    python benchmarks/bench_train.py --out benchmarks/results/h200.json     # synthetic, on the GPU
+    python benchmarks/bench_train.py --out benchmarks/out/bench_train.json  # synthetic, on the GPU
     OMP_NUM_THREADS=1 python benchmarks/bench_train.py --smoke              # tiny shapes on CPU
     python benchmarks/bench_train.py --capture RUN/capture --vocab RUN/vocab --out real.json
 

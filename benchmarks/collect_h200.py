@@ -1,7 +1,7 @@
 """The headline figures of one H200 driver run, from the files its steps leave behind.
 
     python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver            # print
-    python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver --update benchmarks/results/h200.json
+    python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver3 --out benchmarks/results/h200.json
 
 Reads the files benchmarks/h200.sh leaves in $OUT, each under its own name or with a call's
 prefix (`B-fp8_eval_results.json`; see BENCHMARKS.md for the calls): eval_results.json (the
@@ -144,15 +144,16 @@ def collect(d: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--update", type=Path, help="merge the figures into this JSON file")
+    ap.add_argument("--out", type=Path, help="write the figures to this JSON file (replaced whole: every key in it comes "
+                                            "from this script over one run's files, with the run in `_source`)")
     a = ap.parse_args()
     if not a.run_dir.is_dir():
         sys.exit(f"{a.run_dir}: no such directory; give the folder holding a driver run's files")
-    figures = collect(a.run_dir)
-    if a.update:
-        data = json.loads(a.update.read_text()) if a.update.exists() else {}
-        data.update(figures)
-        atomic_write_text(a.update, json.dumps(data, indent=1) + "\n")  # a kill leaves the old file or the new one
+    figures = {"_source": {"run_dir": a.run_dir.as_posix(),
+                           "command": f"python benchmarks/collect_h200.py {a.run_dir.as_posix()} --out {a.out.as_posix()}"
+                           if a.out else None}, **collect(a.run_dir)}
+    if a.out:
+        atomic_write_text(a.out, json.dumps(figures, indent=1) + "\n")  # a kill leaves the old file or the new one
     print(json.dumps(figures, indent=1))
     return 0
 

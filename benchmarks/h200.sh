@@ -11,7 +11,7 @@
 # (`train` sweeps the drafter shapes, then probes the Kimi shape; `kimi` runs the probe alone, 149 s)
 #   STEPS="engine consistency" bash benchmarks/h200.sh     # issue 20/19: needs nothing from the calls above;
 #                                                          # engine ~200 s (ENGINE_BUDGET=170), consistency ~1-2 min
-# then `python benchmarks/collect_h200.py DIR --update benchmarks/results/h200.json` on their outputs.
+# then `python benchmarks/collect_h200.py DIR --out benchmarks/results/h200.json` on their outputs.
 # Steps: reference -> pipeline (prepare, capture, vocab, train, evaluate at batch 1/4/16 with plain,
 # chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
 # conversations' answers, its own run dir) -> humaneval -> ksweep (chain k = 3, 7) -> profile (where a

@@ -1,0 +1,29 @@
+"""Figures with a source (issue 21 item 9): every key of benchmarks/results/h200.json is what
+benchmarks/collect_h200.py computes from the run folder its `_source` names; figures no script
+recomputes live in h200-history.json, apart."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def collect_module():
+    spec = importlib.util.spec_from_file_location("collect_h200", ROOT / "benchmarks" / "collect_h200.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_headline_figure_is_recomputed_from_its_run():
+    data = json.loads((RESULTS / "h200.json").read_text())
+    source = data.pop("_source")
+    figures = collect_module().collect(ROOT / source["run_dir"])
+    assert json.loads(json.dumps(figures)) == data
+
+
+def test_history_is_apart():
+    headline = json.loads((RESULTS / "h200.json").read_text())
+    history = json.loads((RESULTS / "h200-history.json").read_text())
+    assert not (set(headline) - {"_source"}) & (set(history) - {"_about"})
