@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from dataclasses import dataclass, field
@@ -26,17 +27,15 @@ def cache_kwargs(model: Any, cache: Any) -> dict:
     """The keyword that hands a KV cache to `model.forward`: `cache` on transformers releases that
     renamed it (5.2x: `past_key_values` is deprecated there, removed in 5.40), else
     `past_key_values`. Looked up on the forward's signature, not the version number."""
-    import inspect
-
     forward = getattr(model, "forward", model)
-    key = _CACHE_KEYS.get(id(forward.__func__) if hasattr(forward, "__func__") else id(forward))
+    fid = id(getattr(forward, "__func__", forward))  # a bound method's function: one lookup per class
+    key = _CACHE_KEYS.get(fid)
     if key is None:
         try:
             params = inspect.signature(forward).parameters
         except (TypeError, ValueError):
             params = {}
-        key = "cache" if "cache" in params else "past_key_values"
-        _CACHE_KEYS[id(forward.__func__) if hasattr(forward, "__func__") else id(forward)] = key
+        key = _CACHE_KEYS[fid] = "cache" if "cache" in params else "past_key_values"
     return {key: cache}
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import math
 import textwrap
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
 from .artifacts import DraftsmithError
@@ -391,8 +393,6 @@ MAX_YAML_NODES = 100_000
 def check_yaml_file(path: Path) -> None:
     """Refuse a YAML file that is too large, or whose aliases expand past MAX_YAML_NODES nodes (the
     "billion laughs": a few lines whose expansion would take every byte of memory downstream)."""
-    import yaml  # why here: only recipe files need it
-
     try:
         size = path.stat().st_size
         if not path.is_file():
@@ -469,8 +469,6 @@ MAX_DRAFT_STEPS = 64
 def check_recipe(recipe: "Recipe", where: str) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output."""
-    import math
-
     for key, value, lo, hi, optional in _limits(recipe):
         if value == "auto":  # the fields that take "auto" (heldout_samples, eval_every): the parser checked the type
             continue

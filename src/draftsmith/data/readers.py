@@ -30,6 +30,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import mmap
 import os
 import re
 import zlib
@@ -269,8 +270,6 @@ def _iter_json_array(path: Path, stats: ReadStats, start: int) -> Iterator[tuple
     whole), so a bad item is a counted skip and the ones after it still count; each item is checked
     for depth and size before it is parsed. A trailing comma is tolerated; a file cut off inside
     the array keeps its complete items (`truncated_source`)."""
-    import mmap
-
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         if size == 0:

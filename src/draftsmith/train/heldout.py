@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..artifacts import DraftsmithError
+from .ttt import simulated_tau
 
 AUTO_MAX_SAMPLES = 256
 AUTO_FRACTION = 0.05
@@ -112,8 +113,6 @@ def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict]) -> bytes:
     # why here: matplotlib takes about 0.7 s to import, and only this function draws
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from .ttt import simulated_tau
 
     fig = Figure(figsize=(7, 4))
     FigureCanvasAgg(fig)
