@@ -15,7 +15,7 @@
 # Steps: reference -> pipeline (prepare, capture, vocab, train, evaluate at batch 1/4/16 with plain,
 # chain, tree and n-gram, export; then status and plan) -> regen (the target rewrites REGEN_SAMPLES
 # conversations' answers, its own run dir) -> humaneval -> ksweep (chain k = 3, 7) -> profile (where a
-# round's time goes) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
+# round's time goes) -> bigtree (evaluate a wider tree: TREE_DEPTH/TREE_TOPK/TREE_BUDGET) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
 # -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone)
 # -> trainreal (per width in TRAIN_WIDTHS: wide_target.py + prepare/capture/vocab, then bench_train.py --capture:
 # drafter training tokens/s and MFU on that capture, eager then with train.compile's default) -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
@@ -68,6 +68,11 @@ for s in $STEPS; do case $s in
   humaneval) step humaneval "${HE_LIMIT:-120}" python3 -m draftsmith.cli evaluate benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-} \
                --evaluate.benchmarks '[build/gpu/HumanEval.jsonl.gz]' --evaluate.batch_sizes '[1]' --force true
              cp /tmp/runs/h200/eval/results.json "$OUT/humaneval_eval_results.json" 2>/dev/null ;;
+  bigtree)   step bigtree "${BIGTREE_LIMIT:-120}" python3 -m draftsmith.cli evaluate benchmarks/recipes/h200.yaml ${PIPELINE_ARGS:-} \
+               --evaluate.methods '[eagle3_tree,plain]' --evaluate.batch_sizes '[1]' --evaluate.step_costs false \
+               --evaluate.tree_depth "${TREE_DEPTH:-6}" --evaluate.tree_topk "${TREE_TOPK:-8}" --evaluate.tree_budget "${TREE_BUDGET:-64}" \
+               --force true  # a wider tree than the recipe's (depth 5, top-k 4, 16 tokens): verifying 64 rows costs ~1 at batch 1
+             cp /tmp/runs/h200/eval/results.json "$OUT/bigtree_eval_results.json" 2>/dev/null ;;
   ksweep)    for k in 3 7; do step "k$k" "${K_LIMIT:-75}" python3 -m draftsmith.cli evaluate benchmarks/recipes/h200.yaml \
                ${PIPELINE_ARGS:-} --evaluate.draft_steps $k --evaluate.methods '[eagle3_chain,plain]' \
                --evaluate.batch_sizes '[1]' --evaluate.step_costs false --force true

@@ -253,9 +253,9 @@ def test_regenerated_samples_hold_the_targets_own_tokens(tmp_path):
 
 def test_local_fast_path_matches_generate(tmp_path):
     """regenerate.fast static (the plain decoding evaluate times: static KV cache, batches padded
-    to batch_size) writes the same conversations as transformers' generate, greedy, float32. The
-    chunks hold 3 conversations and the batch is 4, so every call is padded; the two-turn
-    conversation's second round is a batch of one."""
+    to a bucket size) writes the same conversations as transformers' generate, greedy, float32. The
+    chunks hold 3 conversations and the batch is 4, so every call is padded (3 -> 4 rows); the
+    two-turn conversation's second round is a batch of one (a new cache, then back to 4)."""
     got = {}
     for fast in ("off", "static"):
         d = tmp_path / fast
@@ -275,3 +275,11 @@ def test_local_graphs_on_cpu_is_a_config_error(tmp_path, capsys):
     assert main(["regenerate", *args]) == 2
     assert "regenerate.fast 'graphs' needs a CUDA device (the target is on cpu)" in capsys.readouterr().err
     assert not list((tmp_path / "run" / "regen").glob("shard-*"))
+
+
+def test_bucket_rows():
+    """Later turns run on fewer rows than the first: n rounded up (powers of two, then multiples of 64), capped."""
+    from draftsmith.data.regenerate import bucket_rows
+    assert [bucket_rows(n, 1024) for n in (1, 2, 3, 5, 33, 64, 65, 700, 1000, 1024)] == \
+        [1, 2, 4, 8, 64, 64, 128, 704, 1024, 1024]
+    assert bucket_rows(3, 2) == 2 and bucket_rows(200, 128) == 128

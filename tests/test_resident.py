@@ -72,7 +72,7 @@ def _times_off(st) -> dict:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("topk,budget,depth", [(1, 4, 4), (3, 8, 4), (2, 12, 3), (2, 3, 5)])
+@pytest.mark.parametrize("topk,budget,depth", [(1, 4, 4), (3, 8, 4), (2, 12, 3), (2, 3, 5), (8, 64, 4)])
 def test_resident_equals_host_loop_and_plain(target, plains, mode, topk, budget, depth):
     ft = FastTarget(target, mode)
     drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)

@@ -65,6 +65,14 @@ class Answer:
 # ----------------------------------------------------------------------------- generators
 
 
+def bucket_rows(n: int, batch_size: int) -> int:
+    """The rows a fast-path batch of n prompts runs as: n rounded up to a multiple of 64 (a power of
+    two below 64), at most batch_size. A conversation's later turns are fewer than its first (most
+    end or outgrow max_length), so padding each turn to batch_size ran most rows on copies."""
+    size = -(-n // 64) * 64 if n > 64 else 1 << max(n - 1, 0).bit_length()
+    return min(size, batch_size)
+
+
 class LocalGenerator:
     """The target decodes left-padded batches, greedy at temperature 0: on the fast path
     (regenerate.fast; FastTarget.plain, what evaluate times as plain decoding) or through
@@ -79,10 +87,11 @@ class LocalGenerator:
         self.eos = set(eos_token_ids(self.target))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
         mode = choose_mode(self.cfg.fast, self.target, "regenerate.fast")
-        # sized for every prompt that fits prepare.max_length: one cache, graphs captured once
+        # sized for every prompt that fits prepare.max_length: one cache per bucket size, its graphs captured once
+        self.max_len = recipe.prepare.max_length + self.cfg.max_new_tokens
         self.fast = None if mode == "off" else fast_target_or_none(
             self.target, mode, self.cfg.fast, "regenerate.fast", "transformers generate",
-            batch_size=self.cfg.batch_size, max_len=recipe.prepare.max_length + self.cfg.max_new_tokens)
+            batch_size=self.cfg.batch_size, max_len=self.max_len)
         self.path = mode if self.fast is not None else "generate"
 
     def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list]) -> list[Answer]:
@@ -94,8 +103,10 @@ class LocalGenerator:
 
     @torch.inference_mode()
     def _batch(self, enc: list[list[int]]) -> list[Answer]:
-        if self.fast is not None:  # padded with copies to the fixed batch size (a new size would mean new graphs)
-            rows = enc + [enc[-1]] * (self.cfg.batch_size - len(enc))
+        if self.fast is not None:  # padded with copies to a bucket size (each new size means a new cache and graphs)
+            size = bucket_rows(len(enc), self.cfg.batch_size)
+            self.fast.ensure(size, self.max_len)  # the cache sized once per bucket, for every prompt that fits
+            rows = enc + [enc[-1]] * (size - len(enc))
             gen = self.fast.plain(rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature)[:len(enc)]
             return self._answers(enc, gen)
         L = max(len(e) for e in enc)
