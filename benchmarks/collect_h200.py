@@ -58,9 +58,7 @@ def collect(d: Path) -> dict:
         "speedup_over_tau_bs1": r3(tree["speedup"] / tree["tau"]),
         "speedup_over_tau_bs1_chain": r3(chain["speedup"] / chain["tau"]),
         "ngram_speedup_bs1": r3(ngram["speedup"]), "tau_mtbench_ngram": r3(ngram["tau"]),
-        "speedup_bs4": r3(batches["4"]["methods"]["eagle3_tree"]["speedup"]),
-        "speedup_bs16": r3(batches["16"]["methods"]["eagle3_tree"]["speedup"]),
-        "speedup_by_batch": {b: {m: r3(v["speedup"]) for m, v in row["methods"].items()} for b, row in batches.items()},
+        "tau_tree_over_ngram": r3(tree["tau"] / ngram["tau"]),
         "plain_tokens_per_s_bs1": round(main["summary"]["plain"]["tokens_per_s"], 1),
         "plain_decode_bw_fraction_reference": round(roof["fraction_of_measured_bw"], 4),
         "ms_per_round": {m: round(1000 * overall(main, m)["spec_s"] / overall(main, m)["rounds"], 2)
@@ -69,20 +67,30 @@ def collect(d: Path) -> dict:
                                                           "plain_overhead_ms")},
         "lossless_bs1": {m: main["summary"]["methods"][m]["lossless"] for m in ("eagle3_chain", "eagle3_tree", "ngram")},
     }
+    for b in ("4", "16"):  # batch sizes the pipeline's evaluate ran beside 1
+        if b in batches:
+            out[f"speedup_bs{b}"] = r3(batches[b]["methods"]["eagle3_tree"]["speedup"])
+    if batches:
+        out["speedup_by_batch"] = {b: {m: r3(v["speedup"]) for m, v in row["methods"].items()} for b, row in batches.items()}
+    big = load("bigtree_eval_results.json", required=False)  # a wider tree (driver step `bigtree`)
+    if big:
+        o, cfg = overall(big, "eagle3_tree"), big["config"]
+        out["bigtree_bs1"] = {"depth": cfg["tree_depth"], "topk": cfg["tree_topk"], "budget": cfg["tree_budget"],
+                              "tau": r3(o["tau"]), "speedup": r3(o["speedup"])}
     if fp8:  # the same pipeline and seed on fp8 captures
         loss = {m: r3(100 * (overall(main, m)["tau"] - overall(fp8, m)["tau"]) / overall(main, m)["tau"])
                 for m in ("eagle3_chain", "eagle3_tree")}
         out["fp8_tau_loss_pct"] = max(loss.values())
         out["fp8_tau_loss_pct_by_method"] = loss
         out["tau_fp8_captures"] = {m: r3(overall(fp8, m)["tau"]) for m in ("eagle3_chain", "eagle3_tree")}
-    sweep = {}
-    for k, name in ((3, "k3_eval_results.json"), (5, None), (7, "k7_eval_results.json")):
-        o = chain if name is None else overall(load(name), "eagle3_chain")
-        sweep[str(k)] = {"tau": r3(o["tau"]), "speedup": r3(o["speedup"])}
-    out["chain_k_sweep_mtbench_bs1"] = sweep
-    he = load("humaneval_eval_results.json")
-    out["humaneval_bs1"] = {m: {"tau": r3(overall(he, m)["tau"]), "speedup": r3(overall(he, m)["speedup"])}
-                            for m in ("eagle3_chain", "eagle3_tree", "ngram")}
+    ks = {k: load(f"k{k}_eval_results.json", required=False) for k in (3, 7)}  # driver step `ksweep`
+    if all(ks.values()):
+        sweep = {str(k): overall(ks[k], "eagle3_chain") if k in ks else chain for k in (3, 5, 7)}
+        out["chain_k_sweep_mtbench_bs1"] = {k: {"tau": r3(o["tau"]), "speedup": r3(o["speedup"])} for k, o in sweep.items()}
+    he = load("humaneval_eval_results.json", required=False)
+    if he:
+        out["humaneval_bs1"] = {m: {"tau": r3(overall(he, m)["tau"]), "speedup": r3(overall(he, m)["speedup"])}
+                                for m in ("eagle3_chain", "eagle3_tree", "ngram")}
     cap = load("bench_capture.json", required=False)  # capture throughput (bench_capture.py)
     if cap:
         out.update({k: cap[k] for k in ("capture_over_forward", "capture_over_forward_fp8", "bytes_per_token_bf16",

@@ -283,3 +283,31 @@ def test_bucket_rows():
     assert [bucket_rows(n, 1024) for n in (1, 2, 3, 5, 33, 64, 65, 700, 1000, 1024)] == \
         [1, 2, 4, 8, 64, 64, 128, 704, 1024, 1024]
     assert bucket_rows(3, 2) == 2 and bucket_rows(200, 128) == 128
+
+
+def test_cut_off_run_keeps_its_finished_chunks_and_their_time(tmp_path, monkeypatch):
+    """Interrupted after its first chunk (Ctrl-C, a job's time limit), regenerate has that chunk on disk
+    with the time it took in the manifest; the rerun starts at the second chunk and adds its own time."""
+    import draftsmith.data.regenerate as regen
+
+    recipe = parse_recipe(_recipe(tmp_path, batch_size=4))[0]
+    run_stage("prepare", recipe)
+    real, calls = regen.regenerate_conversations, []
+
+    def cut_after_one(*args, **kw):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(regen, "regenerate_conversations", cut_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        run_stage("regenerate", recipe)
+    m = load_manifest(tmp_path / "run" / "regen")
+    assert m["status"] == "running" and len(m["shards"]) == 1 and m["timings"]["regenerate_s"] > 0
+    first = m["timings"]["regenerate_s"]
+    monkeypatch.setattr(regen, "regenerate_conversations", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    m = run_stage("regenerate", recipe)
+    assert len(calls) == 1 + 2  # chunks 2 and 3 only (7 conversations, 3 per chunk)
+    assert m["status"] == "complete" and m["timings"]["regenerate_s"] > first
+    assert m["metrics"]["loss_tokens_per_s"] == round(m["counts"]["loss_tokens"] / m["timings"]["regenerate_s"], 1)

@@ -321,6 +321,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         atomic_write_bytes(out / name.replace(".safetensors", ".jsonl"), "".join(t + "\n" for t in texts).encode())
         entry = write_shard(out / name, samples, metadata={"stage": "regenerate"})
         m["shards"].append(entry)
+        now = time.time()  # per chunk: a run cut off (and resumed) keeps the time its finished chunks took
+        m["timings"]["regenerate_s"] = round(m["timings"].get("regenerate_s", 0) + now - t0, 3)
+        t0 = now
         write_manifest(out, m)
 
     counts_vec = torch.zeros(len(tok), dtype=torch.int64)
@@ -329,8 +332,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             counts_vec += torch.bincount(s.input_ids[s.loss_mask], minlength=len(tok))[:len(tok)]
     sha = atomic_save_safetensors(out / COUNTS_FILE, {"counts": counts_vec}, metadata={"stage": "regenerate"})
     m["files"] = [{"file": COUNTS_FILE, "sha256": sha}, {"file": ERRORS_FILE}]
-    m["timings"]["regenerate_s"] = round(m["timings"].get("regenerate_s", 0) + time.time() - t0, 3)
-    if m["timings"]["regenerate_s"] > 0:  # assistant tokens (the generated answers) per second, all chunks
+    if m["timings"].get("regenerate_s", 0) > 0:  # assistant tokens (the generated answers) per second, all chunks
         m["metrics"]["loss_tokens_per_s"] = round(counts["loss_tokens"] / m["timings"]["regenerate_s"], 1)
     left_out = counts["conversations"] - counts["kept"]
     log(f"[regenerate] kept {counts['kept']:,} of {counts['conversations']:,} conversations; {left_out:,} left out "
