@@ -91,3 +91,20 @@ def test_oracle_pays_the_drafting_cost(resident):
     assert new == [ref] and st.accepted_per_round[:-1] == [2] * (st.rounds - 1)
     expansion_steps = sum(1 for s in calls if s[1] == 2)  # K = 2 frontier rows per step
     assert expansion_steps >= 3 * (st.rounds - 1)  # D - 1 = 3 steps every round (the last is cut by the budget)
+
+
+def test_decisive_target_follows_its_permutation_in_bf16():
+    """The benchmark target's greedy next token is perm[current token] at every position, also in
+    bfloat16, with a margin far above rounding: what lets the oracle's truth survive any verify layout."""
+    import torch
+
+    dims = bench_engine.CONFIGS["small"]
+    t = bench_engine.build_target(dims, torch.device("cpu"), torch.bfloat16, seed=0)
+    emb, head = t.model.get_input_embeddings().weight, t.model.lm_head.weight
+    ids = torch.randint(3, dims["vocab"], (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = t.model(ids).logits.float()
+    top2 = logits.topk(2, dim=-1).values
+    want = (head.float() @ emb.float().T).argmax(0)  # the token whose lm_head row is each embedding
+    assert torch.equal(logits.argmax(-1), want[ids])
+    assert ((top2[..., 0] - top2[..., 1]) > 0.3 * top2[..., 0].abs()).all()
