@@ -62,7 +62,7 @@ from tqdm import tqdm
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
                          log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, sha256_file, stage_dir, to_jsonable, token_stage,
                          verify_shards, write_manifest)
-from ..config import Recipe, check_budgets
+from ..config import Recipe, check_recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
 from ..draft.build import drafter_config, init_drafter
@@ -401,13 +401,8 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), section="train")  # a Recipe built in code skipped parse_recipe
     k = int(tc.ttt_steps)
-    if k < 1 or tc.batch_tokens < 1 or tc.max_length < 3:
-        raise DraftsmithError(f"train: ttt_steps {k}, batch_tokens {tc.batch_tokens}, max_length {tc.max_length}: "
-                              "need ttt_steps >= 1, batch_tokens >= 1, max_length >= 3")
-    bad = check_budgets(tc)
-    if bad:
-        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: {bad}")
     info = init_distributed(tc.device)
     main = info.is_main
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
