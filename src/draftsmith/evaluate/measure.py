@@ -12,9 +12,11 @@ import torch
 
 from ..artifacts import DraftsmithError
 from ..speculate.eagle3 import Eagle3Proposer, FastDraft
-from ..speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
+from ..speculate.engine import generate
 from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
 from ..speculate.ngram import NgramProposer
+from ..speculate.proposer import PerSequence
+from ..speculate.verify import plain_generate, plain_generate_batch
 
 SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
 # Relative top-1 vs chosen-token logit gap below which a divergence counts as a rounding tie:
