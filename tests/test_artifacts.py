@@ -12,9 +12,26 @@ from safetensors import safe_open
 
 from draftsmith import pipeline
 from draftsmith.artifacts import (LEDGER, MANIFEST, DraftsmithError, Ledger, atomic_save_safetensors, atomic_write_json,
-                                  finish_manifest, is_main_rank, load_manifest, new_manifest, sha256_file, stage_dir,
-                                  write_manifest)
+                                  finish_manifest, is_main_rank, load_manifest, new_manifest, replace_dir, sha256_file,
+                                  stage_dir, temp_dir, write_manifest)
 from draftsmith.config import Recipe, TargetConfig
+
+# ----------------------------------------------------------------------------- folders
+
+
+def test_replace_dir_swaps_a_whole_folder_in_and_leaves_nothing_beside_it(tmp_path):
+    final = tmp_path / "drafter"
+    for version in ("one", "two"):  # a new folder, then over an existing one
+        stale = temp_dir(final, clear=False)
+        (stale / "half").mkdir(parents=True, exist_ok=True)  # what a killed writer left
+        tmp = temp_dir(final)
+        assert not tmp.exists()
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "sub" / "model.bin").write_text(version)
+        replace_dir(tmp, final)
+        assert (final / "sub" / "model.bin").read_text() == version and not (final / "half").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]  # no .drafter.tmp, no .drafter.old
+
 
 # ----------------------------------------------------------------------------- safetensors
 

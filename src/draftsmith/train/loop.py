@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -60,8 +59,8 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
-                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, sha256_file, stage_dir, to_jsonable, token_stage,
-                         verify_shards, write_manifest)
+                         log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, sha256_file, stage_dir, temp_dir,
+                         to_jsonable, token_stage, verify_shards, write_manifest)
 from ..config import Recipe, check_recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
@@ -196,23 +195,20 @@ def full_drafter(model: TTTLoss, cfg, info: DistInfo):
 
 
 def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | None = None) -> str:
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Save a drafter folder into place atomically; returns its model.safetensors' sha256."""
+    tmp = temp_dir(folder)
     sha = save_drafter(drafter, tmp)
     if extra:
         atomic_write_json(tmp / "best.json", extra)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    replace_dir(tmp, folder)
     return sha
 
 
 def _copy_drafter_atomic(src: Path, folder: Path) -> str:
     """Copy a drafter folder into place atomically; returns its model.safetensors' sha256."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir(folder)
     shutil.copytree(src, tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    replace_dir(tmp, folder)
     return sha256_file(folder / "model.safetensors")
 
 
