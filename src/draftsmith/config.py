@@ -470,12 +470,16 @@ _LOWEST_MEANS = {"train.max_tokens": "0 = no budget", "train.max_minutes": "0 = 
 """What the lowest value of a limit means, where it is a setting of its own (said in the error)."""
 
 
-def check_recipe(recipe: "Recipe", where: str, section: Optional[str] = None) -> None:
+def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output. With
-    `section` (e.g. "train"), only that section's limits: a stage checking a recipe built in code."""
+    `only`, just those sections ("vocab") or keys ("train.ttt_steps"): a stage checking the values it
+    cannot run without in a Recipe built in code (which never went through parse_recipe)."""
+    def wanted(key: str) -> bool:
+        return only is None or key in only or key.split(".")[0] in only
+
     for key, value, lo, hi, optional in _limits(recipe):
-        if section is not None and not key.startswith(section + "."):
+        if not wanted(key):
             continue
         if value == "auto":  # the fields that take "auto" (heldout_samples, eval_every): the parser checked the type
             continue
@@ -491,9 +495,9 @@ def check_recipe(recipe: "Recipe", where: str, section: Optional[str] = None) ->
             raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{said}; fix the value in the recipe")
         if hi is not None and value > hi:
             raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
-    if section in (None, "evaluate") and not recipe.evaluate.batch_sizes:
+    if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
         raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
-    if section in (None, "train") and recipe.train.micro_batch_tokens is not None \
+    if wanted("train.micro_batch_tokens") and recipe.train.micro_batch_tokens is not None \
             and recipe.train.micro_batch_tokens > recipe.train.batch_tokens:
         raise DraftsmithError(f"{where}: train.micro_batch_tokens {recipe.train.micro_batch_tokens} > train.batch_tokens "
                               f"{recipe.train.batch_tokens}; make the micro-batch at most the batch")

@@ -75,7 +75,7 @@ def target_vocab_size(recipe: Recipe) -> int:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(run_dir)
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), section="vocab")  # a Recipe built in code skipped parse_recipe
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("vocab",))
     t0 = time.time()
     data_dir, upstream = token_stage(recipe, run_dir)
     data_manifest = require_complete(data_dir, upstream)

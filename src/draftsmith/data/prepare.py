@@ -56,7 +56,7 @@ def summary(counts: dict, truncated_source: dict | None) -> str:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.prepare
-    check_recipe(recipe, str(Path(run_dir) / "recipe.yaml"), section="prepare")  # a Recipe built in code skipped parse_recipe
+    check_recipe(recipe, str(Path(run_dir) / "recipe.yaml"), only=("prepare",))
     out = stage_dir(run_dir, "prepare")  # RUN_DIR/data
     path, fmt = resolve_source(cfg.source, cfg.format)
     source = {"name": cfg.source, "path": str(path), "format": fmt, "sha256": sha256_file(path)}

@@ -108,7 +108,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     out_dir = stage_dir(run_dir, "evaluate")
     drafter_dir = stage_dir(run_dir, "train") / "drafter"
     train = require_complete(stage_dir(run_dir, "train"), "train")
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), section="evaluate")  # a Recipe built in code skipped parse_recipe
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("evaluate",))
     methods = check_methods(cfg, str(run_dir / "recipe.yaml"))
 
     old = load_manifest(out_dir)

@@ -394,10 +394,15 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
     return prog, kept[metrics_path]
 
 
+TRAIN_NEEDS = ("train.ttt_steps", "train.batch_tokens", "train.max_length", "train.max_tokens", "train.max_minutes")
+"""What run() checks again (config.check_recipe's table) in a Recipe built in code; the rest (e.g. lr 0 in a
+test) is refused at parse time only."""
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), section="train")  # a Recipe built in code skipped parse_recipe
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=TRAIN_NEEDS)
     k = int(tc.ttt_steps)
     info = init_distributed(tc.device)
     main = info.is_main
