@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
 from draftsmith.evaluate.measure import timed  # noqa: E402
-from draftsmith.speculate.engine import plain_generate  # noqa: E402
+from draftsmith.speculate.verify import plain_generate  # noqa: E402
 from draftsmith.speculate.fast import FastTarget  # noqa: E402
 from draftsmith.target.model import Target  # noqa: E402
 

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from draftsmith.speculate import cache, fast  # noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer, FastDraft  # noqa: E402
-from draftsmith.speculate.engine import PerSequence, generate  # noqa: E402
+from draftsmith.speculate.engine import generate  # noqa: E402
+from draftsmith.speculate.proposer import PerSequence  # noqa: E402
 from draftsmith.speculate.ngram import NgramProposer  # noqa: E402
 from draftsmith.target.model import load_target  # noqa: E402
 from draftsmith.testing import make_model_dir  # noqa: E402

@@ -3,6 +3,8 @@ the ledger and the manifests, while the other ranks still read them to skip or r
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -11,10 +13,28 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import pipeline
+from draftsmith.cli import main
 from draftsmith.artifacts import (LEDGER, MANIFEST, DraftsmithError, Ledger, atomic_save_safetensors, atomic_write_json,
-                                  finish_manifest, is_main_rank, load_manifest, new_manifest, sha256_file, stage_dir,
-                                  write_manifest)
+                                  finish_manifest, is_main_rank, load_manifest, new_manifest, replace_dir, sha256_file,
+                                  stage_dir, temp_dir, write_manifest)
 from draftsmith.config import Recipe, TargetConfig
+
+# ----------------------------------------------------------------------------- folders
+
+
+def test_replace_dir_swaps_a_whole_folder_in_and_leaves_nothing_beside_it(tmp_path):
+    final = tmp_path / "drafter"
+    for version in ("one", "two"):  # a new folder, then over an existing one
+        stale = temp_dir(final, clear=False)
+        (stale / "half").mkdir(parents=True, exist_ok=True)  # what a killed writer left
+        tmp = temp_dir(final)
+        assert not tmp.exists()
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "sub" / "model.bin").write_text(version)
+        replace_dir(tmp, final)
+        assert (final / "sub" / "model.bin").read_text() == version and not (final / "half").exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]  # no .drafter.tmp, no .drafter.old
+
 
 # ----------------------------------------------------------------------------- safetensors
 
@@ -135,6 +155,62 @@ def test_pipeline_rank1_skips_complete_stage_by_reading(tmp_path, fake_stage, ra
     assert m["status"] == "complete" and fake_stage.calls == []  # skipped, from rank 0's manifest
     assert (run_dir / LEDGER).read_bytes() == before  # no stage_skipped line from rank 1
     assert load_manifest(out) == m
+
+
+def test_a_refused_rerun_leaves_a_complete_stage_done(tmp_path, fake_stage, monkeypatch):
+    """A rerun refused before it writes anything (the run-dir lock, a bad value at parse time, or the stage's own
+    check of its input) leaves the complete stage done in `status`, its output and recipe.yaml unchanged. A rerun
+    that fails after writing is still `failed`."""
+    from draftsmith import status
+
+    recipe = _tiny_recipe(tmp_path)
+    run_dir, out = Path(recipe.run_dir), stage_dir(recipe.run_dir, "prepare")
+    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, r, d: f"fp-{r.prepare.max_length}")
+    pipeline.run_stage("prepare", recipe)
+    done = load_manifest(out)
+    kept = {p: p.read_bytes() for p in (run_dir / "recipe.yaml", out / MANIFEST)}
+
+    def state():
+        return status.stage_state(run_dir, "prepare", Ledger(run_dir).read())
+
+    # the run-dir lock, held by another process: refused before any ledger line
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from draftsmith.artifacts import RunLock; l = RunLock(Path(sys.argv[1])); l.__enter__(); "
+                               "print('held', flush=True); time.sleep(60)", str(run_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        recipe.prepare.max_length = 64
+        with pytest.raises(DraftsmithError, match="run directory is locked"):
+            pipeline.run_stage("prepare", recipe)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert state()["state"] == "done"
+    # a bad value on the command line: refused at parse time
+    assert main(["prepare", str(run_dir / "recipe.yaml"), "--prepare.max_length", "0"]) == 2
+    assert state()["state"] == "done"
+
+    # other inputs the stage refuses before writing: the complete output is set aside, then back
+    def refuse(recipe, run_dir, fp):
+        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: prepare.max_length {recipe.prepare.max_length}: too short here")
+
+    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], run=refuse))
+    with pytest.raises(DraftsmithError, match="too short here"):
+        pipeline.run_stage("prepare", recipe)
+    assert Ledger(run_dir).read()[-1]["event"] == "stage_refused"
+    assert state()["state"] == "done" and "too short here" in state()["refused"]
+    assert load_manifest(out) == done and all(p.read_bytes() == b for p, b in kept.items())
+    assert "a later command was refused: " in status.render(run_dir)
+
+    def fail_after_writing(recipe, run_dir, fp):
+        write_manifest(stage_dir(run_dir, "prepare"), new_manifest("prepare", fp, {}, {}))
+        raise DraftsmithError("source.json record 3: not a conversation; fix the record")
+
+    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], run=fail_after_writing))
+    with pytest.raises(DraftsmithError, match="record 3"):
+        pipeline.run_stage("prepare", recipe)
+    assert Ledger(run_dir).read()[-1]["event"] == "stage_failed" and state()["state"] == "failed"
+    assert load_manifest(out) == done  # the complete output is still put back; the stage's last run failed
 
 
 def test_pipeline_rank1_resumes_running_stage(tmp_path, fake_stage, rank1, monkeypatch):

@@ -3,15 +3,30 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, DeepseekV3Config
 
 from draftsmith.artifacts import DraftsmithError
-from draftsmith.compat import check_tokenizers, mtp_layers, mtp_report, require_compatible_tokenizers
+from draftsmith.compat import TESTED, check_tokenizers, mtp_layers, mtp_report, require_compatible_tokenizers
 from draftsmith.testing import _SENTENCES, train_tokenizer
+
+
+def test_tested_versions_name_what_ci_runs():
+    root = Path(__file__).resolve().parents[1]
+    pins = dict(line.split("==") for line in (root / ".ci/constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    for name, pin in pins.items():  # the whole suite runs on the pins: each lies in its tested range
+        lo, hi = (Version(v).release for v in TESTED[name])
+        assert lo <= Version(pin).release[:2] <= hi, f"{name} {pin} (.ci/constraints.txt) outside TESTED {TESTED[name]}"
+    assert TESTED["transformers"][0] == ".".join(pins["transformers"].split(".")[:2])  # the lowest is CI's pin
+    # .ci/run also runs the model-facing tests on the newest transformers, so the range reaches past the pin
+    assert '-U "transformers' in (root / ".ci/run").read_text()
+    assert Version(TESTED["transformers"][1]) > Version(TESTED["transformers"][0])
 
 
 def tiny_deepseek(**kw) -> DeepseekV3Config:

@@ -10,9 +10,10 @@ from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import Eagle3Drafter
 from draftsmith.speculate.eagle3 import Eagle3Proposer
-from draftsmith.speculate.engine import (PerSequence, generate, plain_generate, plain_generate_batch,
-                                         speculative_generate)
+from draftsmith.speculate.engine import generate, speculative_generate
 from draftsmith.speculate.ngram import NgramProposer
+from draftsmith.speculate.proposer import PerSequence
+from draftsmith.speculate.verify import plain_generate, plain_generate_batch
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
@@ -274,7 +275,7 @@ def test_lossless_tree(target, fitted, topk, budget, depth):
 
 def test_tree_of_oracle_and_noise_accepts_the_right_branch(target):
     """A tree whose root has a wrong first child and the right one second: the path is found."""
-    from draftsmith.speculate.engine import DraftTree
+    from draftsmith.speculate.tree import DraftTree
     prompt, n = PROMPTS[0], 25
     ref = prompt + plain_generate(target, prompt, n)
 

@@ -9,7 +9,9 @@ import torch
 
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.speculate.eagle3 import Eagle3Proposer
-from draftsmith.speculate.engine import PerSequence, generate, plain_generate
+from draftsmith.speculate.engine import generate
+from draftsmith.speculate.proposer import PerSequence
+from draftsmith.speculate.verify import plain_generate
 from draftsmith.speculate.cache import Graphed
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget, resolve_mode

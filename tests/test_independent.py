@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from draftsmith.artifacts import DraftsmithError
-from draftsmith.speculate.engine import plain_generate, speculative_generate
+from draftsmith.speculate.engine import speculative_generate
+from draftsmith.speculate.verify import plain_generate
 from draftsmith.speculate.independent import IndependentDraftProposer, load_draft_model
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir

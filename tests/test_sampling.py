@@ -15,8 +15,10 @@ import torch
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.speculate.eagle3 import Eagle3Proposer
-from draftsmith.speculate.engine import DraftTree, PerSequence, accept_sampled, generate
+from draftsmith.speculate.engine import generate
 from draftsmith.speculate.ngram import NgramProposer
+from draftsmith.speculate.proposer import PerSequence
+from draftsmith.speculate.tree import DraftTree, accept_sampled
 from draftsmith.target.model import Target
 from draftsmith.testing import tiny_config
 

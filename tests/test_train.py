@@ -212,14 +212,22 @@ def test_minutes_budget_stops_cleanly_and_completes(tmp_path, target_dir):
     assert read_json(train / "step-000001" / "meta.json")["train_s"] > 0
 
 
-def test_negative_budgets_are_refused_at_parse_time():
+def test_negative_budgets_are_refused_at_parse_time_and_by_the_stage(tmp_path, target_dir):
     from draftsmith.config import parse_recipe
 
     for flag in ("--train.max_minutes", "--train.max_tokens"):
-        with pytest.raises(DraftsmithError, match=rf"command line: {flag[2:]} -5(\.0)?: a budget must be >= 0"):
+        with pytest.raises(DraftsmithError, match=rf"command line: {flag[2:]} -5(\.0)?: must be >= 0 \(0 = no budget\)"):
             parse_recipe([flag, "-5"])
     recipe, _ = parse_recipe(["--train.max_minutes", "12.5", "--train.max_tokens", "1000000"])
     assert (recipe.train.max_minutes, recipe.train.max_tokens) == (12.5, 1_000_000)
+    # a Recipe built in code never went through parse_recipe: the stage checks the same table
+    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir), max_tokens=-1)
+    with pytest.raises(DraftsmithError, match=r"recipe\.yaml: train\.max_tokens -1: must be >= 0 \(0 = no budget\)"):
+        loop.run(recipe, run_dir, "fp-train")
+    recipe.train.max_tokens, recipe.train.ttt_steps = 0, 0
+    with pytest.raises(DraftsmithError, match=r"recipe\.yaml: train\.ttt_steps 0: must be >= 1"):
+        loop.run(recipe, run_dir, "fp-train")
+    assert not (run_dir / "train").exists()  # refused before touching the stage's folder
 
 
 def test_nonfinite_steps_are_skipped_then_stop(tmp_path, target_dir):

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import socket
 import sys
 import threading
@@ -65,6 +66,33 @@ def atomic_write_bytes(path: str | Path, data: bytes | Sequence[bytes | memoryvi
         tmp.unlink(missing_ok=True)
         raise DraftsmithError(f"{path}: cannot write ({e.strerror or e}); free disk space or fix permissions and rerun") from e
     fsync_dir(path.parent)
+
+
+def temp_dir(final: Path, clear: bool = True) -> Path:
+    """The folder (`.NAME.tmp`, beside `final`) in which `final` is written before `replace_dir`
+    moves it into place; emptied first when `clear` (leave it False on ranks that only share it)."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    if clear:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move the finished folder `tmp` (see `temp_dir`) into place as `final`: its files and folders
+    are fsynced, a folder already at `final` is renamed aside (`.NAME.old`), `tmp` renamed in, the
+    old one removed. A reader sees the old folder or the whole new one, never half of either."""
+    for root, _, files in os.walk(tmp):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(root))
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_temp_files(directory: str | Path, recursive: bool = False) -> None:

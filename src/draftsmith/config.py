@@ -445,8 +445,9 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("vocab.draft_vocab_size", v.draft_vocab_size, 1, 1 << 24, False),
         ("train.ttt_steps", t.ttt_steps, 1, MAX_DRAFT_STEPS, False), ("train.ttt_decay", t.ttt_decay, 1e-6, 1, False),
         ("train.epochs", t.epochs, 1e-9, 1e6, False), ("train.max_steps", t.max_steps, 1, 1e9, True),
+        ("train.max_tokens", t.max_tokens, 0, None, False), ("train.max_minutes", t.max_minutes, 0, None, False),
         ("train.batch_tokens", t.batch_tokens, 1, 1 << 32, False), ("train.micro_batch_tokens", t.micro_batch_tokens, 1, 1 << 32, True),
-        ("train.max_length", t.max_length, 2, big, False), ("train.lr", t.lr, 1e-12, 10, False),
+        ("train.max_length", t.max_length, 3, big, False), ("train.lr", t.lr, 1e-12, 10, False),
         ("train.weight_decay", t.weight_decay, 0, 10, False), ("train.muon_lr", t.muon_lr, 1e-12, 10, True),
         ("train.warmup_steps", t.warmup_steps, 0, 1e9, False), ("train.min_lr_ratio", t.min_lr_ratio, 0, 1, False),
         ("train.grad_clip", t.grad_clip, 0, None, False), ("train.save_every", t.save_every, 1, None, False),
@@ -465,11 +466,21 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
 MAX_DRAFT_STEPS = 64
 """Draft steps / TTT steps / tree depth: EAGLE-3 drafters accept a handful; past this a value is a typo."""
 
+_LOWEST_MEANS = {"train.max_tokens": "0 = no budget", "train.max_minutes": "0 = no budget"}
+"""What the lowest value of a limit means, where it is a setting of its own (said in the error)."""
 
-def check_recipe(recipe: "Recipe", where: str) -> None:
+
+def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
-    one, or absurd (a million draft steps): before any stage starts or touches its output."""
+    one, or absurd (a million draft steps): before any stage starts or touches its output. With
+    `only`, just those sections ("vocab") or keys ("train.ttt_steps"): a stage checking the values it
+    cannot run without in a Recipe built in code (which never went through parse_recipe)."""
+    def wanted(key: str) -> bool:
+        return only is None or key in only or key.split(".")[0] in only
+
     for key, value, lo, hi, optional in _limits(recipe):
+        if not wanted(key):
+            continue
         if value == "auto":  # the fields that take "auto" (heldout_samples, eval_every): the parser checked the type
             continue
         if value is None:
@@ -479,13 +490,15 @@ def check_recipe(recipe: "Recipe", where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
             raise DraftsmithError(f"{where}: {key} {value!r}: not a finite number; fix the value")
         if lo is not None and value < lo:
-            unset = " (or null)" if optional else ""
-            raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{unset}; fix the value in the recipe")
+            notes = [n for n in ("or null" if optional else None, _LOWEST_MEANS.get(key)) if n]
+            said = f" ({'; '.join(notes)})" if notes else ""
+            raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{said}; fix the value in the recipe")
         if hi is not None and value > hi:
             raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
-    if not recipe.evaluate.batch_sizes:
+    if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
         raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
-    if recipe.train.micro_batch_tokens is not None and recipe.train.micro_batch_tokens > recipe.train.batch_tokens:
+    if wanted("train.micro_batch_tokens") and recipe.train.micro_batch_tokens is not None \
+            and recipe.train.micro_batch_tokens > recipe.train.batch_tokens:
         raise DraftsmithError(f"{where}: train.micro_batch_tokens {recipe.train.micro_batch_tokens} > train.batch_tokens "
                               f"{recipe.train.batch_tokens}; make the micro-batch at most the batch")
 
@@ -513,16 +526,4 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
     recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
     where = argv[1] if argv[:1] == ["--config"] else "command line"
     check_recipe(recipe, where)
-    bad = check_budgets(recipe.train)
-    if bad:
-        raise DraftsmithError(f"{where}: {bad}")
     return recipe, force
-
-
-def check_budgets(tc: TrainConfig) -> Optional[str]:
-    """What is wrong with the training budgets (negative values), or None."""
-    for key in ("max_tokens", "max_minutes"):
-        value = getattr(tc, key)
-        if value < 0:
-            return f"train.{key} {value}: a budget must be >= 0 (0 = no budget); fix the value"
-    return None  # max_steps and the other counts: check_recipe

@@ -224,7 +224,7 @@ def recorded_processes(run_dir: Path) -> list[dict]:
         if cmd is None:
             continue  # gone, recorded without its identity, or the PID now belongs to another process
         later = [x for x in events[i + 1:] if x.get("stage") == e["stage"]]
-        stale = any(x["event"] in ("stage_finished", "stage_failed", "stage_interrupted") or
+        stale = any(x["event"] in ("stage_finished", "stage_failed", "stage_refused", "stage_interrupted") or
                     (x["event"] == "stage_started" and x.get("pid") != pid) for x in later)
         out.append({"pid": int(pid), "stage": e["stage"], "cmdline": cmd[:200], "stale": stale,
                     "pid_start": e["pid_start"], "event": e})

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import (DraftsmithError, Ledger, RunLock, atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
-                        process_cmdline, process_rank, process_start_time, stage_dir, to_jsonable)
+from .artifacts import (DraftsmithError, Ledger, RunLock, atomic_write_bytes, atomic_write_text, fingerprint, fingerprint_path,
+                        is_main_rank, load_manifest, log, process_cmdline, process_rank, process_start_time, stage_dir,
+                        to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -146,7 +147,6 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False, wait_lock: bool =
 
 
 def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) -> dict:
-    write_recipe(recipe, run_dir)
     ledger = Ledger(run_dir)
     out_dir = stage_dir(run_dir, stage)
     _check_stage_dir(out_dir)
@@ -160,6 +160,9 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
         if stage_status(run_dir, u) != "complete":
             raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
     fp = stage_fingerprint(stage, recipe, run_dir)
+    recipe_path = run_dir / "recipe.yaml"  # written once the checks above pass: a refused command leaves it as it was
+    recipe_before = recipe_path.read_bytes() if recipe_path.exists() else None
+    write_recipe(recipe, run_dir)
     if prev.exists() and is_main_rank() and not force:
         pm = load_manifest(prev)
         if pm is not None and pm.get("status") == "complete" and pm.get("fingerprint") == fp:
@@ -184,10 +187,17 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
     try:
         manifest = STAGE_TABLE[stage].run(recipe, run_dir, fp)
     except BaseException as e:
+        # Refused: bad input the stage found before writing anything, with a complete output set aside. That
+        # output comes back unchanged, so the stage stays complete (status: done) and recipe.yaml stays its own.
+        refused = isinstance(e, DraftsmithError) and prev.exists() and not out_dir.exists()
         if is_main_rank() and prev.exists() and not _running_for(out_dir, fp):  # nothing to resume: the old output back
             _restore(out_dir, prev)
         if isinstance(e, KeyboardInterrupt):
             ledger.append("stage_interrupted", stage=stage, seconds=round(time.time() - t0, 3))
+        elif refused:
+            ledger.append("stage_refused", stage=stage, error=str(e), seconds=round(time.time() - t0, 3))
+            if is_main_rank() and recipe_before is not None:
+                atomic_write_bytes(recipe_path, recipe_before)
         elif isinstance(e, DraftsmithError):
             ledger.append("stage_failed", stage=stage, error=str(e), seconds=round(time.time() - t0, 3))
         else:

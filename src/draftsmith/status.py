@@ -3,7 +3,8 @@
     collect(run_dir)  -> a JSON-able dict (what `--json` prints)
     to_markdown(state) -> STATUS.md, one section per entry of SECTIONS
 
-A stage is done (complete manifest), failed (a stage_failed event after its last start),
+A stage is done (complete manifest; a later command that the stage refused before writing anything,
+a stage_refused event, leaves it done and is shown beside it), failed (a stage_failed event after its last start),
 interrupted (a stage_interrupted event, or a `running` manifest whose process is gone),
 running, or pending. The document has eight sections (SECTIONS): Goal, Instructions (constraints
 in force), Discoveries (hardware, versions, target facts, measured figures, held-out figures,
@@ -119,6 +120,8 @@ def stage_state(run_dir: Path, stage: str, events: list[dict]) -> dict:
     if m is not None and m.get("status") == "complete" and not (failed and failed["time"] > (m.get("finished_at") or 0)):
         out["state"] = "done"
         out["seconds"] = (m.get("timings") or {}).get("wall_s")
+        if "stage_refused" in ended:
+            out["refused"] = ended["stage_refused"].get("error")
     elif failed:
         out.update(state="failed", error=failed.get("error"), finished_at=failed["time"], seconds=failed.get("seconds"))
     elif "stage_interrupted" in ended:
@@ -515,6 +518,9 @@ def _section_stages(st: dict, notes: Footnotes) -> str:
             figures += notes.mark(f"{s['dir']}/manifest.json")
         if s["error"]:
             figures = (figures + " · " if figures else "") + f"error: {s['error']}" + notes.mark(f"{LEDGER}: stage_failed")
+        if s.get("refused"):
+            figures = (figures + " · " if figures else "") + f"a later command was refused: {s['refused']}" \
+                + notes.mark(f"{LEDGER}: stage_refused")
         rows.append(f"| {s['stage']} | {ICONS[s['state']]} {s['state']} | {_when(s['started_at'])} | "
                     f"{_dur(s['seconds'])} | {figures.replace('|', '/')} |")
     return "\n".join(rows)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
                         require_complete, stage_dir, token_stage, verify_listed_file, write_manifest)
-from .config import Recipe
+from .config import Recipe, check_recipe
 from .target.model import read_text_config
 
 COUNTS_FILE = "token_counts.safetensors"
@@ -75,6 +75,7 @@ def target_vocab_size(recipe: Recipe) -> int:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(run_dir)
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("vocab",))
     t0 = time.time()
     data_dir, upstream = token_stage(recipe, run_dir)
     data_manifest = require_complete(data_dir, upstream)
@@ -98,8 +99,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                   "the tokenizer does not match the model in target.path")
         counts = counts[:V]
     counts = torch.nn.functional.pad(counts, (0, V - counts.numel()))  # ids past the tokenizer's (never seen) count 0
-    if int(recipe.vocab.draft_vocab_size) < 1:
-        raise DraftsmithError(f"vocab.draft_vocab_size {recipe.vocab.draft_vocab_size}: must be >= 1")
 
     d2t, t2d = build_vocab(counts, V, recipe.vocab.draft_vocab_size)
     size = d2t.numel()

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, load_manifest, log,
                          new_manifest, remove_temp_files, sha256_file, stage_dir, verify_shards, write_manifest)
-from ..config import PrepareConfig, Recipe
+from ..config import PrepareConfig, Recipe, check_recipe
 from ..target.model import load_tokenizer
 from .readers import SKIP_REASONS, ReadStats, read_conversations, resolve_source
 from .shards import Sample, read_shard, shard_name, write_shard
@@ -33,15 +33,6 @@ from .template import render, tokenizer_name
 COUNTS_FILE = "token_counts.safetensors"
 COUNT_KEYS = ("read", "kept", *(f"skipped_{r}" for r in (*SKIP_REASONS, "no_loss_tokens")), "truncated", "tokens",
               "loss_tokens")
-
-
-def check_config(cfg: PrepareConfig) -> None:
-    for key, value, low in (("samples_per_shard", cfg.samples_per_shard, 1), ("max_length", cfg.max_length, 2),
-                            ("skip_samples", cfg.skip_samples, 0), ("min_loss_tokens", cfg.min_loss_tokens, 1)):
-        if value < low:
-            raise DraftsmithError(f"prepare.{key} {value}: must be >= {low}; set it in the recipe")
-    if cfg.max_samples is not None and cfg.max_samples < 0:
-        raise DraftsmithError(f"prepare.max_samples {cfg.max_samples}: must be >= 0 (or null for all); set it in the recipe")
 
 
 def _masked_counts(samples: list[Sample], vocab: int) -> torch.Tensor:
@@ -65,7 +56,7 @@ def summary(counts: dict, truncated_source: dict | None) -> str:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.prepare
-    check_config(cfg)
+    check_recipe(recipe, str(Path(run_dir) / "recipe.yaml"), only=("prepare",))
     out = stage_dir(run_dir, "prepare")  # RUN_DIR/data
     path, fmt = resolve_source(cfg.source, cfg.format)
     source = {"name": cfg.source, "path": str(path), "format": fmt, "sha256": sha256_file(path)}

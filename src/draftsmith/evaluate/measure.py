@@ -12,9 +12,11 @@ import torch
 
 from ..artifacts import DraftsmithError
 from ..speculate.eagle3 import Eagle3Proposer, FastDraft
-from ..speculate.engine import PerSequence, generate, plain_generate, plain_generate_batch
+from ..speculate.engine import generate
 from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
 from ..speculate.ngram import NgramProposer
+from ..speculate.proposer import PerSequence
+from ..speculate.verify import plain_generate, plain_generate_batch
 
 SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
 # Relative top-1 vs chosen-token logit gap below which a divergence counts as a rounding tie:
@@ -30,15 +32,10 @@ TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
 def check_methods(cfg, where: str) -> list[str]:
-    """Methods in a fixed order; plain is the reference and always runs."""
+    """Methods in a fixed order; plain is the reference and always runs. (Counts and sizes: config.check_recipe.)"""
     bad = [m for m in cfg.methods if m not in (*SPEC_METHODS, "plain")]
     if bad:
         raise DraftsmithError(f"{where}: evaluate.methods {bad} unknown; choose from {[*SPEC_METHODS, 'plain']}")
-    if cfg.draft_steps < 1 or cfg.max_new_tokens < 1 or cfg.tree_depth < 1 or cfg.tree_topk < 1 or cfg.tree_budget < 1:
-        raise DraftsmithError(f"{where}: evaluate.draft_steps, max_new_tokens, tree_depth, tree_topk and tree_budget "
-                              "must be >= 1")
-    if not cfg.batch_sizes or min(cfg.batch_sizes) < 1:
-        raise DraftsmithError(f"{where}: evaluate.batch_sizes {cfg.batch_sizes} must be a non-empty list of sizes >= 1")
     return [m for m in SPEC_METHODS if m in cfg.methods]
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
                          stage_dir, write_manifest)
-from ..config import Recipe
+from ..config import Recipe, check_recipe
 from ..data.readers import load_prompts
 from ..draft.io import load_drafter, read_drafter_config
 from ..target.model import eos_token_ids, load_target
@@ -108,6 +108,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     out_dir = stage_dir(run_dir, "evaluate")
     drafter_dir = stage_dir(run_dir, "train") / "drafter"
     train = require_complete(stage_dir(run_dir, "train"), "train")
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("evaluate",))
     methods = check_methods(cfg, str(run_dir / "recipe.yaml"))
 
     old = load_manifest(out_dir)

@@ -25,14 +25,12 @@ export/importer.py reads such a folder back (`load_sglang`, `import_drafter`).
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, sha256_file
+from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, replace_dir, sha256_file, temp_dir
 from ..draft.io import load_drafter, state_dict_mismatch
 from ..draft.model import Eagle3Config, Eagle3Drafter
 from ..target.model import read_text_config
@@ -165,15 +163,10 @@ def write_folder(out_dir: Path, state: dict[str, torch.Tensor], config: dict) ->
     beside its final place and swapped in, so a reader never sees half of it."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir(out_dir)
     tmp.mkdir(parents=True)
     atomic_save_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
     atomic_write_json(tmp / "config.json", config)
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, out_dir)
     return [{"file": p.name, "sha256": sha256_file(p), "bytes": p.stat().st_size}
             for p in sorted(out_dir.iterdir()) if p.is_file()]

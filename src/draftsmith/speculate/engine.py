@@ -45,20 +45,16 @@ import torch
 
 from ..draft.model import Eagle3Drafter
 from ..target.model import Target
-from .cache import crop_cache, h2d, move_rows
+from .cache import h2d
 from .cache import sync as sync_device
 from .eagle3 import Eagle3Proposer
 from .fast import FastTarget
 from .proposer import BatchProposer, PerSequence, Proposer
 from .resident import eligible, resident_generate
-from .tree import (DraftTree, SpecStats, accept_greedy, accept_sampled, as_prompt, cut_tree, first_eos, left_pad, pick,
-                   prefill_mask, tree_ancestry, tree_mask)
-from .verify import EagerVerifier, plain_generate, plain_generate_batch, rows_of, verify_forward
+from .tree import DraftTree, SpecStats, accept_greedy, accept_sampled, as_prompt, cut_tree, first_eos, left_pad, pick, tree_ancestry
+from .verify import EagerVerifier, rows_of
 
-__all__ = [  # the loop, and the names callers have always imported from here
-    "generate", "speculative_generate", "plain_generate", "plain_generate_batch", "DraftTree", "SpecStats",
-    "Proposer", "BatchProposer", "PerSequence", "EagerVerifier", "accept_greedy", "accept_sampled", "left_pad",
-    "tree_mask", "prefill_mask", "move_rows", "crop_cache", "verify_forward"]
+__all__ = ["generate", "speculative_generate"]  # the rest lives where it is defined: tree, verify, proposer, cache
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class NgramProposer:
-    """A `Proposer` (batch 1; wrap several in engine.PerSequence for a batch)."""
+    """A `Proposer` (batch 1; wrap several in proposer.PerSequence for a batch)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import os
 import re
 import shutil
 import warnings
@@ -31,7 +30,7 @@ from typing import Any, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError, atomic_write_json, atomic_write_text, fsync_dir, read_json, sha256_file
+from ..artifacts import DraftsmithError, atomic_write_json, atomic_write_text, read_json, replace_dir, sha256_file, temp_dir
 from ..distributed import DistInfo, barrier
 
 KEEP = 2
@@ -89,9 +88,9 @@ def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: tor
     import torch.distributed.checkpoint as dcp  # why here: torch.distributed.checkpoint takes ~1.5 s to import; only saves and loads need it
 
     name = step_dir_name(step)
-    final, tmp = train_dir / name, train_dir / f".{name}.tmp"
+    final = train_dir / name
+    tmp = temp_dir(final, clear=info.is_main)
     if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
         (tmp / STATE).mkdir(parents=True)
     barrier(info)
     flat, _ = _state(model, opt, names)
@@ -99,16 +98,10 @@ def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: tor
         dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / STATE), save_distributed=True))
     barrier(info)
     if info.is_main:
-        for f in (tmp / STATE).iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
         sums = {f.name: sha256_file(f) for f in sorted((tmp / STATE).glob("*.safetensors"))}
         atomic_write_json(tmp / "meta.json", {**meta, "step": step, "world_size": info.world_size, "rng": rng_state(),
                                               "state_sha256": sums})
-        if final.exists():  # the same step saved again (a rerun of a finished run)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(train_dir)
+        replace_dir(tmp, final)  # fsyncs the shards; replaces the same step saved before (a rerun of a finished run)
         atomic_write_text(train_dir / LATEST, name + "\n")
         steps = sorted((int(m.group(1)), p) for p in train_dir.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir())
         for _, p in steps[:-KEEP]:

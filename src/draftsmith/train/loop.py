@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -60,9 +59,9 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
-                         log, new_manifest, read_json, read_jsonl, remove_temp_files, require_complete, sha256_file, stage_dir, to_jsonable, token_stage,
-                         verify_shards, write_manifest)
-from ..config import Recipe, check_budgets
+                         log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, sha256_file, stage_dir, temp_dir,
+                         to_jsonable, token_stage, verify_shards, write_manifest)
+from ..config import Recipe, check_recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
 from ..draft.build import drafter_config, init_drafter
@@ -196,23 +195,20 @@ def full_drafter(model: TTTLoss, cfg, info: DistInfo):
 
 
 def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | None = None) -> str:
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Save a drafter folder into place atomically; returns its model.safetensors' sha256."""
+    tmp = temp_dir(folder)
     sha = save_drafter(drafter, tmp)
     if extra:
         atomic_write_json(tmp / "best.json", extra)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    replace_dir(tmp, folder)
     return sha
 
 
 def _copy_drafter_atomic(src: Path, folder: Path) -> str:
     """Copy a drafter folder into place atomically; returns its model.safetensors' sha256."""
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir(folder)
     shutil.copytree(src, tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    replace_dir(tmp, folder)
     return sha256_file(folder / "model.safetensors")
 
 
@@ -398,16 +394,16 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
     return prog, kept[metrics_path]
 
 
+TRAIN_NEEDS = ("train.ttt_steps", "train.batch_tokens", "train.max_length", "train.max_tokens", "train.max_minutes")
+"""What run() checks again (config.check_recipe's table) in a Recipe built in code; the rest (e.g. lr 0 in a
+test) is refused at parse time only."""
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
+    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=TRAIN_NEEDS)
     k = int(tc.ttt_steps)
-    if k < 1 or tc.batch_tokens < 1 or tc.max_length < 3:
-        raise DraftsmithError(f"train: ttt_steps {k}, batch_tokens {tc.batch_tokens}, max_length {tc.max_length}: "
-                              "need ttt_steps >= 1, batch_tokens >= 1, max_length >= 3")
-    bad = check_budgets(tc)
-    if bad:
-        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: {bad}")
     info = init_distributed(tc.device)
     main = info.is_main
     micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
