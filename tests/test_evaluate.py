@@ -261,3 +261,16 @@ def test_prompts_past_the_targets_positions_are_refused_and_counted(tmp_path):
     assert res["prompts_too_long"][0]["prompt_tokens"] > res["prompts_too_long"][0]["limit"] == 128 - 16 - 3 - 1
     # max_new_tokens that leaves no room at all is one line
     assert main(["evaluate", str(recipe), "--evaluate.max_new_tokens", "200"]) == 2
+
+
+def test_ngram_draft_length_is_its_own_setting():
+    """evaluate.ngram_steps sets n-gram's drafts per round apart from the drafter's depth (unset: draft_steps),
+    so evaluating a drafter at its trained depth does not shorten the baseline's drafts; 0 is refused."""
+    from draftsmith.config import EvaluateConfig, Recipe, check_recipe
+    from draftsmith.evaluate.measure import method_depth
+
+    assert method_depth(EvaluateConfig(draft_steps=2), "ngram") == 2
+    cfg = EvaluateConfig(draft_steps=2, tree_depth=2, ngram_steps=3)
+    assert [method_depth(cfg, m) for m in ("eagle3_chain", "eagle3_tree", "ngram")] == [2, 2, 3]
+    with pytest.raises(DraftsmithError, match="evaluate.ngram_steps"):
+        check_recipe(Recipe(evaluate=EvaluateConfig(ngram_steps=0)), "recipe.yaml")

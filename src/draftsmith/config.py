@@ -294,6 +294,9 @@ class EvaluateConfig:
     """EAGLE-2 tree: draft tokens verified per target forward (the best by draft probability)."""
     ngram_max: int = 3
     """Prompt lookup: longest n-gram matched against the context (down to 1)."""
+    ngram_steps: Optional[int] = None
+    """Prompt lookup: tokens drafted per verification; unset: draft_steps. The baseline's own setting,
+    so that evaluating a drafter at its trained depth does not shorten n-gram's drafts too."""
     temperature: float = 0.0
     """0 = greedy (lossless check applies); > 0 samples, verified by speculative rejection sampling."""
     seed: int = 0
@@ -457,6 +460,7 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("evaluate.draft_steps", e.draft_steps, 1, MAX_DRAFT_STEPS, False), ("evaluate.max_turns", e.max_turns, 1, 100, False),
         ("evaluate.tree_depth", e.tree_depth, 1, MAX_DRAFT_STEPS, False), ("evaluate.tree_topk", e.tree_topk, 1, 64, False),
         ("evaluate.tree_budget", e.tree_budget, 1, 4096, False), ("evaluate.ngram_max", e.ngram_max, 1, 64, False),
+        ("evaluate.ngram_steps", e.ngram_steps, 1, MAX_DRAFT_STEPS, True),
         ("evaluate.temperature", e.temperature, 0, 100, False),
         *((f"evaluate.batch_sizes[{i}]", b, 1, 4096, False) for i, b in enumerate(e.batch_sizes)),
         ("export.num_speculative_tokens", x.num_speculative_tokens, 1, MAX_DRAFT_STEPS, False),

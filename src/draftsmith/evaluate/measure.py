@@ -40,6 +40,8 @@ def check_methods(cfg, where: str) -> list[str]:
 
 
 def method_depth(cfg, method: str) -> int:
+    if method == "ngram" and cfg.ngram_steps:
+        return cfg.ngram_steps
     return cfg.tree_depth if method == "eagle3_tree" else cfg.draft_steps
 
 

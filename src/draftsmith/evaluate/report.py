@@ -127,7 +127,7 @@ def render_report(summary: dict, recipe: Recipe) -> str:
     mode = "greedy" if e.temperature <= 0 else f"sampling at temperature {e.temperature}"
     parts = [f"# Evaluation: {recipe.name}",
              f"Target `{recipe.target.path}`, {mode}, max_new_tokens={e.max_new_tokens}; eagle3_chain k={e.draft_steps}, "
-             f"eagle3_tree depth={e.tree_depth} top-k={e.tree_topk} budget={e.tree_budget}, ngram k={e.draft_steps} "
+             f"eagle3_tree depth={e.tree_depth} top-k={e.tree_topk} budget={e.tree_budget}, ngram k={e.ngram_steps or e.draft_steps} "
              f"(n <= {e.ngram_max}). tau = tokens per target verification forward (the target's own token counted); "
              "speedup = plain decoding time / method time, same target, same process, same decoding path "
              f"(`{summary.get('path', 'off')}`: {PATH_TEXT.get(summary.get('path', 'off'), '')}).",
