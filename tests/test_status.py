@@ -207,3 +207,29 @@ def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
     _set(run, "evaluate", metrics={"methods": {"eagle3_tree": {"tau": 3.4, "speedup": 2.3}, "ngram": {"tau": 2.6, "speedup": 1.9}}})
     st = status.collect(run)
     assert st["findings"] == [] and "serve the drafter" in st["next_step"]["text"]
+
+
+def test_serve_command_takes_the_shape_evaluate_measured_fastest(tmp_path):
+    """The next step's SGLang flags are those of the faster EAGLE-3 method evaluate measured: the tree's
+    top-k, depth and budget + 1 verified tokens when the tree won, the chain's k otherwise; and a run
+    that regenerated its answers shows what training read."""
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    cfg = {"draft_steps": 5, "tree_depth": 5, "tree_topk": 4, "tree_budget": 16}
+    fast_tree = {"eagle3_chain": {"tau": 3.78, "speedup": 1.66}, "eagle3_tree": {"tau": 3.87, "speedup": 1.98},
+                 "ngram": {"tau": 2.39, "speedup": 1.63}}
+    _set(run, "evaluate", config=cfg, metrics={"methods": fast_tree})
+    step = status.collect(run)["next_step"]
+    assert step["command"].endswith("--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 17")
+    assert "as the tree evaluate measured fastest (1.98x)" in step["text"]
+    fast_tree["eagle3_chain"]["speedup"] = 2.5
+    _set(run, "evaluate", config={**cfg, "draft_steps": 3}, metrics={"methods": fast_tree})
+    assert status.collect(run)["next_step"]["command"].endswith(
+        "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+
+    m = new_manifest("regenerate", "fp", {}, {})
+    m["counts"].update(kept=5196, tokens=4_099_707, loss_tokens=3_110_875)
+    stage_dir(run, "regenerate").mkdir(parents=True)
+    finish_manifest(stage_dir(run, "regenerate"), m)
+    facts = {f["label"]: f["value"] for f in status.collect(run)["discoveries"]}
+    assert facts["regenerated conversations kept / tokens (loss tokens): what training read"] == \
+        "5196 / 4,099,707 (3,110,875)"

@@ -197,7 +197,8 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
     return out
 
 
-def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None) -> dict:
+def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None,
+              ev: Optional[dict] = None) -> dict:
     recipe_path = run_dir / "recipe.yaml"
     for s in stages:
         name, state = s["stage"], s["state"]
@@ -217,12 +218,30 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[l
         return {"stage": None, "state": "done", "command": f"draftsmith run {recipe_path}",
                 "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}; then rerun "
                         f"`draftsmith run {recipe_path}`."}
+    cmd, why = serve_command(run_dir, recipe, ev)
+    return {"stage": None, "state": "done", "text": f"every stage is complete; serve the drafter{why} with `{cmd}`",
+            "command": cmd}
+
+
+def serve_command(run_dir: Path, recipe: dict, ev: Optional[dict]) -> tuple[str, str]:
+    """SGLang's command for the exported drafter, shaped as the EAGLE-3 method evaluate measured fastest:
+    the tree (--speculative-eagle-topk tree_topk, num-steps tree_depth, num-draft-tokens budget + 1, the
+    rows one verification holds) or the chain (top-k 1, k steps, k + 1 tokens). Returns (command, why)."""
     target = (recipe.get("target") or {}).get("path", "TARGET")
-    k = (recipe.get("evaluate") or {}).get("draft_steps", 5)
+    cfg = (ev or {}).get("config") or recipe.get("evaluate") or {}
+    methods = _get(ev or {}, "metrics.methods") or {}
+    speed = {m: methods[m].get("speedup") or 0 for m in ("eagle3_chain", "eagle3_tree") if m in methods}
+    best = max(speed, key=speed.get) if speed else "eagle3_chain"
+    if best == "eagle3_tree":
+        steps, topk, tokens = cfg.get("tree_depth", 5), cfg.get("tree_topk", 4), cfg.get("tree_budget", 16) + 1
+    else:
+        steps = cfg.get("draft_steps", 5)
+        topk, tokens = 1, steps + 1
+    why = f" as the {best.split('_')[1]} evaluate measured fastest ({speed[best]:.2f}x)" if speed else ""
     cmd = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
            f"--speculative-draft-model-path {stage_dir(run_dir, 'export') / 'sglang'} "
-           f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
-    return {"stage": None, "state": "done", "text": f"every stage is complete; serve the drafter with `{cmd}`", "command": cmd}
+           f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}")
+    return cmd, why
 
 
 RELEVANT_FILES = ["recipe.yaml", LEDGER, "data/manifest.json", "capture/manifest.json", "vocab/vocab.safetensors",
@@ -384,6 +403,10 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
          lambda m: f"{m['counts'].get('tokens'):,} ({m['counts'].get('loss_tokens'):,})"
          if m["counts"].get("tokens") is not None and m["counts"].get("loss_tokens") is not None else None,
          "counts.tokens, counts.loss_tokens"),
+        ("regenerate", "regenerated conversations kept / tokens (loss tokens): what training read",
+         lambda m: f"{m['counts'].get('kept')} / {m['counts'].get('tokens'):,} ({m['counts'].get('loss_tokens'):,})"
+         if m["counts"].get("tokens") is not None and m["counts"].get("loss_tokens") is not None else None,
+         "counts.kept, counts.tokens, counts.loss_tokens"),
         ("capture", "aux layers captured", lambda m: m.get("aux_layer_ids"), "aux_layer_ids"),
         ("capture", "capture bytes per token", lambda m: m.get("bytes_per_token"), "bytes_per_token"),
         ("capture", "capture throughput (tokens/s)", lambda m: m["metrics"].get("capture_tokens_per_s"),
@@ -458,7 +481,7 @@ def collect(run_dir: str | Path) -> dict:
         "instructions": instructions(recipe),
         "discoveries": discoveries(run_dir, recipe, manifests),
         "findings": found,
-        "stages": stages, "next_step": next_step(stages, run_dir, recipe, found),
+        "stages": stages, "next_step": next_step(stages, run_dir, recipe, found, manifests.get("evaluate")),
         "relevant_files": [f for f in RELEVANT_FILES if (run_dir / f).exists()],
     }
 
