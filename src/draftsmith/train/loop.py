@@ -12,9 +12,11 @@ embedding and lm_head (read_target_embeddings: no full model load). Writes
                             draft/io.py's save_drafter): with held-out samples, a copy of best/ at the
                             end; without, the last step's
     train/last/             the last step's drafter (with held-out samples only)
-Held-out samples (train.heldout_samples, default auto) are whole conversations (heldout.py);
-the manifest's metrics.heldout record (best and last held-out figures, still_improving,
-overfitting) is what `status` shows and reasons from.
+Held-out samples (train.heldout_samples, default auto) are whole conversations (heldout.py:
+ShareGPT's parts of one conversation together); the manifest's metrics.heldout record (best and
+last held-out figures, still_improving, overfitting, and `engine`: the final drafter's tau measured
+by evaluate's decoding on train.heldout_engine_prompts held-out first turns) is what `status`
+shows and reasons from.
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
 A micro-batch is packed by default (train.batch_layout; train/data.py): whole samples end to
 end in one fixed [1, micro_batch_tokens] row, so every forward has the same shape. A step takes
