@@ -217,7 +217,8 @@ def engine_record(recipe: Recipe, drafter_dir: Path, prompts: Sequence[tuple[Has
     """metrics.heldout.engine: engine_tau of the drafter in drafter_dir, on the target training ran
     (online) or, offline, the target loaded as evaluate loads it (evaluate.stage.load_models);
     depth = train.ttt_steps capped by evaluate.draft_steps. {"skipped": reason} when the target
-    cannot be loaded or no prompt is usable."""
+    cannot be loaded, the decoding fails (out of memory, too few positions) or no prompt is
+    usable: the drafter is written by then, and a rerun would only meet the same failure."""
     count = int(recipe.train.heldout_engine_prompts)
     depth = min(int(recipe.train.ttt_steps), int(recipe.evaluate.draft_steps))
     if not prompts:
@@ -232,4 +233,7 @@ def engine_record(recipe: Recipe, drafter_dir: Path, prompts: Sequence[tuple[Has
             target, drafter = load_models(recipe, drafter_dir)
     except (DraftsmithError, OSError, torch.OutOfMemoryError) as e:
         return {"skipped": f"target not loaded: {' '.join(str(e).split())[:300]}"}
-    return engine_tau(target, drafter, prompts, count, depth, recipe.evaluate, eos_token_ids(target))
+    try:
+        return engine_tau(target, drafter, prompts, count, depth, recipe.evaluate, eos_token_ids(target))
+    except (DraftsmithError, torch.OutOfMemoryError) as e:  # e.g. positions too few for the new tokens, memory
+        return {"skipped": f"not measured: {' '.join(str(e).split())[:300]}"}
