@@ -107,6 +107,10 @@ def collect(d: Path) -> dict:
         m = tm["metrics"]
         out["pipeline_train"] = {"tokens_per_s": round(m["tokens_per_s"], 1), "mfu": round(m["mfu"], 4),
                                  "peak_memory_gib": m["peak_memory_gib"], "steps": m["steps"]}
+        engine = (m.get("heldout") or {}).get("engine") or {}
+        if engine.get("tau_chain") is not None:  # train's end: the kept drafter on held-out first turns, by the engine
+            out["heldout_tau_engine_chain"] = {"tau": r3(engine["tau_chain"]), "prompts": engine["prompts"], "depth": engine["depth"],
+                                               "simulated": r3(m["heldout"]["best_tau_simulated"])}
     bt = load("bench_train.json", required=False)  # drafter training throughput at fixed shapes
     if bt:
         out.update({k: bt[k] for k in ("train_mfu_h2048", "train_tokens_per_s_h2048", "train_h2048_seq",

@@ -194,6 +194,26 @@ def test_online_train_stage_equals_offline(train_runs):
     assert "capture" in [s["stage"] for s in collect(offline)["stages"]]
 
 
+def test_heldout_engine_tau_offline_and_online(train_runs):
+    """The best drafter's tau measured by the engine on the held-out conversations' first turns:
+    offline (the target loaded as evaluate loads it) and online (the training target) give the
+    same record, within [1, depth + 1], from held-out conversations only; capture's shards carry
+    the source ids prepare read."""
+    from draftsmith.train.heldout import conversation_keys, split_by_conversation
+
+    _, offline, online = train_runs
+    index = CaptureIndex(sorted((offline / "capture").glob("shard-*.safetensors")), MAX_LENGTH, 64, 3)
+    assert index.source_id == [str(i) for i in range(24)]
+    keys = conversation_keys(index.source_id, index.sample_index)
+    train, held = split_by_conversation(keys, 3, 0)
+    m_off, m_on = (load_manifest(d / "train") for d in (offline, online))
+    eng = m_off["metrics"]["heldout"]["engine"]
+    assert eng == m_on["metrics"]["heldout"]["engine"]
+    assert eng["prompts"] == 3 and eng["depth"] == 3 and 1 <= eng["tau_chain"] <= 4
+    assert sorted(eng["conversations"]) == sorted(keys[j] for j in held)
+    assert not set(eng["conversations"]) & {keys[j] for j in train}
+
+
 def test_online_train_resumes_exactly(train_runs, tmp_path, monkeypatch):
     """Killed at step 5 (checkpoint at 4), the rerun continues from the data cursor and takes the
     uninterrupted online run's steps exactly."""

@@ -75,6 +75,7 @@ def test_prepare_end_to_end(target, source, tmp_path):
     tok = load_tokenizer(target)
     samples = [s for sh in m["shards"] for s in read_shard(run_dir / "data" / sh["file"])]
     assert [s.sample_index for s in samples] == [0, 1, 3, 5, 8, 9, 10, 11, 12, 13]
+    assert [s.source_id for s in samples] == ["c0", "c1", "c3", "c5", "c8", "long-answer", "c10", "c11", "c12", "c13"]
     convs = {cv.index: cv for cv in read_conversations(source, "jsonl", ReadStats())}
     for s in samples:
         ids, mask, _ = render_with_mask(tok, convs[s.sample_index].messages, 64)
@@ -94,6 +95,30 @@ def test_prepare_end_to_end(target, source, tmp_path):
     mtime = (run_dir / "data" / "shard-00000.safetensors").stat().st_mtime_ns
     assert prepare.run(make_recipe(target, source, run_dir), run_dir, "fp")["finished_at"] == m["finished_at"]
     assert (run_dir / "data" / "shard-00000.safetensors").stat().st_mtime_ns == mtime  # complete: not redone
+
+
+def test_sharegpt_parts_stay_on_one_side_of_the_heldout_split(target, tmp_path):
+    """ShareGPT's parts `x_0`, `x_1` of one long conversation: prepare keeps each record's id in its
+    shard, train's index reads them back, and the held-out split keeps the parts together."""
+    from draftsmith.train.data import TokenIndex
+    from draftsmith.train.heldout import conversation_keys, split_by_conversation
+
+    ids = ["x_0", "x_1", "y_0", "z_0", "z_2", "w_0", "v_0", "u_0"]
+    path = tmp_path / "parts.json"
+    path.write_text(json.dumps([{**conversation(i), "id": sid} for i, sid in enumerate(ids)]))
+    run_dir = tmp_path / "run"
+    m = prepare.run(make_recipe(target, path, run_dir), run_dir, "fp")
+    index = TokenIndex([run_dir / "data" / sh["file"] for sh in m["shards"]], 64)
+    assert index.source_id == ids and index.sample_index == list(range(8))
+    keys = conversation_keys(index.source_id, index.sample_index)
+    assert keys == ["x", "x", "y", "z", "z", "w", "v", "u"]
+    sides = set()
+    for seed in range(10):
+        train, held = split_by_conversation(keys, 1, seed)
+        assert not {keys[j] for j in train} & {keys[j] for j in held}
+        sides.add(0 in held)
+        assert (0 in held) == (1 in held) and (3 in held) == (4 in held)
+    assert sides == {True, False}  # x is held out under some seeds, trained on under others
 
 
 def test_resume_after_interruption_is_byte_identical(target, source, tmp_path, monkeypatch):

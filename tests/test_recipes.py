@@ -29,6 +29,7 @@ def test_recipes_parse(path):
     # the quickstart captures once and does not regenerate: both cost too much on 2 CPU cores (its comments)
     assert (recipe.train.online and recipe.regenerate.enabled) or path == QUICKSTART
     assert recipe.train.heldout_samples != 0 and recipe.train.eval_every != 0  # held-out on in every recipe
+    assert recipe.train.heldout_engine_prompts > 0
     assert (recipe.train.lr, recipe.train.head_init) == (3e-3, "target")  # the winning defaults
 
 

@@ -184,11 +184,11 @@ def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
     assert "train.heldout_samples" in lose["fix"]  # no held-out figures: the run cannot tell data from steps
     assert st["next_step"]["text"].startswith("every stage is complete, but eagle3_chain drafts to depth 5")
 
-    _set(run, "train", metrics={"heldout": {
-        "samples": 200, "best_step": 300, "best_tau_simulated": 2.4, "last_tau_simulated": 2.1, "still_improving": False,
-        "overfitting": {"from_step": 300, "to_step": 500, "heldout_from": 2.4, "heldout_to": 2.1, "train_from": 4.0,
-                        "train_to": 5.8},
-        "engine": {"prompts": 20, "tau_chain": 1.6, "tau_tree": 1.9}}})
+    held = {"samples": 200, "best_step": 300, "best_tau_simulated": 2.4, "last_tau_simulated": 2.1, "still_improving": False,
+            "overfitting": {"from_step": 300, "to_step": 500, "heldout_from": 2.4, "heldout_to": 2.1, "train_from": 4.0,
+                            "train_to": 5.8},
+            "engine": {"prompts": 16, "tau_chain": 1.6, "depth": 3}}
+    _set(run, "train", metrics={"heldout": held})
     st = status.collect(run)
     assert [f["kind"] for f in st["findings"]] == ["overfitting", "deeper_than_trained", "loses_to_ngram"]
     assert "fell from 2.4 (step 300) to 2.1 (step 500)" in st["findings"][0]["text"]
@@ -198,7 +198,10 @@ def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
     assert "## Findings" in md and md.index("## Findings") < md.index("## Immediate next step")
     facts = {f["label"]: f["value"] for f in st["discoveries"]}
     assert facts["held-out simulated τ: best (step) / last"] == "2.4 (step 300) / 2.1 on 200 held-out samples"
-    assert facts["held-out τ measured by the engine (chain / tree)"] == "1.6 / 1.9 on 20 held-out prompts"
+    assert facts["held-out τ measured by the engine (greedy chain)"] == "1.6 at depth 3 on 16 held-out prompts"
+    _set(run, "train", metrics={"heldout": {**held, "engine": {"skipped": "target not loaded: no such folder"}}})
+    facts = {f["label"]: f["value"] for f in status.collect(run)["discoveries"]}
+    assert facts["held-out τ measured by the engine (greedy chain)"] == "skipped: target not loaded: no such folder"
 
     # a drafter that wins, evaluated within its trained depth: back to serving it
     _set(run, "train", config={"train": {"ttt_steps": 7}}, metrics={"heldout": {

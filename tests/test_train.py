@@ -15,6 +15,7 @@ from draftsmith.draft.io import load_drafter
 from draftsmith.target.model import read_target_embeddings
 from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import epoch_plan
+from draftsmith.train.heldout import conversation_keys, split_by_conversation
 from draftsmith.train.ttt import simulated_tau
 
 # Losses of steps 1 and 3 of the toy run with seed 0, per batch layout (pinned: a change to data
@@ -316,10 +317,44 @@ def test_heldout_eval_keeps_best(tmp_path, target_dir):
     assert held["last_tau_simulated"] == evals[-1]["tau"] and held["still_improving"] == (best["step"] == 12)
     assert held["overfitting"] is None  # the toy language generalizes
     assert (train / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the engine's tau of the best drafter on the first turn of every held-out conversation (3 < 16 prompts)
+    eng = held["engine"]
+    _, held_ids = split_by_conversation(list(range(12)), 3, 0)  # toy samples: sample j is conversation j
+    assert sorted(eng["conversations"]) == held_ids and eng["prompts"] == 3
+    assert eng["depth"] == 3 and eng["max_new_tokens"] == 64 and 1 <= eng["tau_chain"] <= eng["depth"] + 1
+    assert eng["rounds"] >= eng["prompts"] and eng["emitted"] == pytest.approx(eng["tau_chain"] * eng["rounds"])
+
+
+def test_heldout_engine_tau_off_and_skipped(tmp_path, target_dir, capsys):
+    """train.heldout_engine_prompts 0 measures nothing; a target that cannot be loaded is recorded
+    as skipped with the reason, and training still completes."""
+    samples = toy_samples(target_dir)
+    recipe, run_dir = make_run(tmp_path / "off", target_dir, samples, max_steps=2, heldout_samples=3, heldout_engine_prompts=0)
+    m = loop.run(recipe, run_dir, "fp-train")
+    assert m["metrics"]["heldout"]["samples"] == 3 and "engine" not in m["metrics"]["heldout"]
+    assert "heldout_engine_s" not in m["timings"]
+    recipe, run_dir = make_run(tmp_path / "skip", target_dir, samples, max_steps=2, heldout_samples=3)
+    recipe.target.aux_layer_ids = [0, 1]  # evaluate's load refuses a drafter trained on other aux layers
+    m = loop.run(recipe, run_dir, "fp-train")
+    eng = m["metrics"]["heldout"]["engine"]
+    assert m["status"] == "complete" and eng["skipped"].startswith("target not loaded: ") and "aux layers" in eng["skipped"]
+    assert "[train] held-out tau by the engine skipped: target not loaded" in capsys.readouterr().err
+
+
+def test_engine_prompts_come_from_heldout_samples_only():
+    from draftsmith.train.heldout import engine_prompts
+
+    ids = [torch.arange(10 * j, 10 * j + 8) for j in range(5)]
+    masks = [torch.tensor([0, 0, 0, 1, 1, 0, 1, 1], dtype=torch.bool) for _ in range(5)]
+    masks[4] = torch.ones(8, dtype=torch.bool)  # no prompt before the first loss token: not usable
+    conversations = ["a", "b", "b", "c", "d"]
+    # held out: samples 1, 2 (conversation b, its first sample gives the prompt) and 4; never 0 or 3
+    assert engine_prompts(conversations, ids, masks, [1, 2, 4]) == [("b", [10, 11, 12])]
+    assert engine_prompts(conversations, ids, masks, []) == []
 
 
 def test_heldout_split_is_by_conversation():
-    from draftsmith.train.heldout import eval_interval, heldout_count, split_by_conversation
+    from draftsmith.train.heldout import eval_interval, heldout_count
 
     conversations = [7, 7, 7, 3, 9, 9, 1, 4, 4, 4, 4, 2, 5, 5, 8, 6]
     for seed in range(6):
@@ -344,6 +379,23 @@ def test_capture_index_knows_each_samples_conversation(tmp_path, target_dir):
     _, run_dir = make_run(tmp_path, target_dir, samples)
     index = CaptureIndex(sorted((run_dir / "capture").glob("shard-*.safetensors")), 32, 64, 3)
     assert index.sample_index == [5, 5, 2, 9, 9, 9]
+    assert index.source_id == [None] * 6  # shards written without source ids: the records are the conversations
+    assert conversation_keys(index.source_id, index.sample_index) == [5, 5, 2, 9, 9, 9]
+
+
+def test_conversation_keys_join_sharegpt_parts():
+    """ShareGPT's parts of one long conversation (`x_0`, `x_1`, `x_12`) are one conversation, and
+    the split never puts them on both sides; a stem shared by most ids is a naming scheme."""
+    ids = ["x_0", "x_1", "x_12", "QWJhYvA_0", "y_0", "y_3", "z", "w_0", "v_7", "u_0", "t_0", "s_0"]
+    keys = conversation_keys(ids, list(range(len(ids))))
+    assert keys == ["x", "x", "x", "QWJhYvA", "y", "y", "z", "w", "v", "u", "t", "s"]
+    for seed in range(8):
+        train, held = split_by_conversation(keys, 2, seed)
+        assert not {keys[j] for j in train} & {keys[j] for j in held}
+        assert {0, 1, 2} <= set(train) or {0, 1, 2} <= set(held)
+    scheme = [f"sample_{i}" for i in range(6)] + ["x_0", "x_1"]
+    assert conversation_keys(scheme, list(range(8))) == [*scheme[:6], "x", "x"]
+    assert conversation_keys(["a_0", None], [3, 4]) == [3, 4]  # any sample without an id: record indices
 
 
 def noisy_samples(target_dir, held, n=16, noise=0.6):
@@ -375,7 +427,6 @@ def test_overfitting_is_named(tmp_path, target_dir, capsys):
     """Tiny noisy data, many epochs: train tau climbs to its maximum while held-out tau falls from
     its best; the log says OVERFITTING once, the manifest's heldout record and status name it."""
     from draftsmith import status
-    from draftsmith.train.heldout import split_by_conversation
 
     _, held = split_by_conversation(list(range(16)), 4, 0)
     recipe, run_dir = make_run(tmp_path, target_dir, noisy_samples(target_dir, held), max_steps=80, heldout_samples=4,

@@ -248,6 +248,12 @@ class TrainConfig:
     The best drafter by held-out simulated tau is kept in train/best/ and becomes train/drafter/
     (what evaluate and export use); the last step's is train/last/. auto = about 10 evaluations
     per run; 0 = only at the end."""
+    heldout_engine_prompts: int = 16
+    """At the end, the best drafter's tau measured by evaluate's speculative decoding (greedy
+    EAGLE-3 chain, depth ttt_steps capped by evaluate.draft_steps, 64 new tokens per prompt, batch
+    1) on the first user turn of this many held-out conversations, beside the simulated tau
+    (manifest metrics.heldout.engine, `status`). Offline it loads the target as evaluate does;
+    online it reuses the training one. 0 = off."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
     head_init: Literal["random", "target"] = "target"
@@ -455,7 +461,8 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("train.warmup_steps", t.warmup_steps, 0, 1e9, False), ("train.min_lr_ratio", t.min_lr_ratio, 0, 1, False),
         ("train.grad_clip", t.grad_clip, 0, None, False), ("train.save_every", t.save_every, 1, None, False),
         ("train.log_every", t.log_every, 1, None, False), ("train.heldout_samples", t.heldout_samples, 0, None, False),
-        ("train.eval_every", t.eval_every, 0, None, False), ("train.peak_tflops", t.peak_tflops, 1e-6, None, True),
+        ("train.eval_every", t.eval_every, 0, None, False),
+        ("train.heldout_engine_prompts", t.heldout_engine_prompts, 0, 1 << 20, False), ("train.peak_tflops", t.peak_tflops, 1e-6, None, True),
         ("evaluate.max_prompts", e.max_prompts, 1, None, True), ("evaluate.max_new_tokens", e.max_new_tokens, 1, big, False),
         ("evaluate.draft_steps", e.draft_steps, 1, MAX_DRAFT_STEPS, False), ("evaluate.max_turns", e.max_turns, 1, 100, False),
         ("evaluate.tree_depth", e.tree_depth, 1, MAX_DRAFT_STEPS, False), ("evaluate.tree_topk", e.tree_topk, 1, 64, False),

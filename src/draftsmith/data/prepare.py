@@ -2,7 +2,8 @@
 
 Writes into RUN_DIR/data/:
     shard-NNNNN.safetensors   samples_per_shard kept samples each (format: data/shards.py);
-                              sample_index is the record's index in the source file
+                              sample_index is the record's index in the source file, the
+                              metadata's source_ids its id (ShareGPT `id`, ...)
     token_counts.safetensors  `counts` int64 [len(tokenizer)]: how often each token is under the loss mask
     manifest.json             counts (read, kept, skipped_<reason>, truncated, tokens, loss_tokens, ...),
                               source, truncated_source
@@ -120,7 +121,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 continue
             ids = torch.tensor(r.input_ids, dtype=torch.int64)
             mask = torch.tensor(r.loss_mask, dtype=torch.bool)
-            buf.append(Sample(ids, mask, conv.index))
+            buf.append(Sample(ids, mask, conv.index, source_id=conv.source_id))
             token_counts += torch.bincount(ids[mask], minlength=vocab)[:vocab]
             counts["kept"] += 1
             counts["truncated"] += int(r.truncated)

@@ -309,7 +309,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                           "reason": reason}))
                 continue
             samples.append(Sample(torch.tensor(r.input_ids, dtype=torch.int64), torch.tensor(r.loss_mask, dtype=torch.bool),
-                                  conv.index))
+                                  conv.index, source_id=conv.source_id))
             texts.append(json.dumps({"source_id": conv.source_id, "sample_index": conv.index, "messages": res.messages}))
             counts["tokens"] += len(r.input_ids)
             counts["loss_tokens"] += sum(r.loss_mask)

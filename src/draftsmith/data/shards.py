@@ -5,6 +5,9 @@ A shard holds n samples packed end to end:
     loss_mask    uint8 [T]          1 where the token is assistant content (a training label)
     offsets      int64 [n + 1]      sample j is rows offsets[j]:offsets[j+1]
     sample_index int64 [n]          index of the conversation in the source (after skip)
+and, in the safetensors metadata (shards written since source ids were kept; older shards lack it,
+and readers then have no source ids):
+    source_ids   JSON list [n]      each sample's record id in the source (ShareGPT `id`, ...)
 Capture shards add, row-aligned with input_ids:
     aux_hidden   [T, n_aux * H]     outputs of the aux layers, concatenated (storage dtype)
     final_hidden [T, H]             the target's last hidden state after its final norm
@@ -15,12 +18,13 @@ token and aux layer; value = fp8 * scale. Read them with `decode_hidden` / `read
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..artifacts import DraftsmithError, atomic_save_safetensors
@@ -31,6 +35,7 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 HIDDEN = ("aux_hidden", "final_hidden")
+SOURCE_IDS = "source_ids"
 
 
 def bytes_per_token(num_aux: int, hidden_size: int, storage_dtype: str) -> int:
@@ -89,6 +94,7 @@ class Sample:
     sample_index: int
     aux_hidden: Optional[torch.Tensor] = None  # [L, n_aux * H]
     final_hidden: Optional[torch.Tensor] = None  # [L, H]
+    source_id: Optional[str] = None  # the record's id in the source; None: a shard written before ids were kept
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -122,8 +128,11 @@ def pack(samples: Sequence[Sample], storage_dtype: Optional[str] = None) -> dict
 
 def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[dict[str, str]] = None,
                 storage_dtype: Optional[str] = None) -> dict:
-    """Write a shard atomically. Returns its manifest entry (file, sha256, counts)."""
+    """Write a shard atomically. Returns its manifest entry (file, sha256, counts). The samples'
+    source ids go into the metadata (`source_ids`) when every sample has one."""
     tensors = pack(samples, storage_dtype)
+    if samples and all(s.source_id is not None for s in samples):
+        metadata = {**(metadata or {}), SOURCE_IDS: json.dumps([s.source_id for s in samples])}
     sha = atomic_save_safetensors(path, tensors, metadata)
     return {"file": Path(path).name, "sha256": sha, "num_samples": len(samples),
             "num_tokens": int(tensors["input_ids"].shape[0]),
@@ -140,6 +149,7 @@ def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
     if not need <= set(t):
         raise DraftsmithError(f"{path}: shard lacks {sorted(need - set(t))}; it was not written by draftsmith, rerun its stage")
     off = t["offsets"].tolist()
+    ids = source_ids(path, len(off) - 1)
     hidden = with_hidden and "aux_hidden" in t
     if hidden:
         t["aux_hidden"], t["final_hidden"] = decode_hidden(t, "aux_hidden"), decode_hidden(t, "final_hidden")
@@ -150,8 +160,28 @@ def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
             input_ids=t["input_ids"][a:b].long(), loss_mask=t["loss_mask"][a:b].bool(),
             sample_index=int(t["sample_index"][j]),
             aux_hidden=t["aux_hidden"][a:b] if hidden else None,
-            final_hidden=t["final_hidden"][a:b] if hidden else None))
+            final_hidden=t["final_hidden"][a:b] if hidden else None,
+            source_id=ids[j] if ids else None))
     return out
+
+
+def source_ids(path: str | Path, num_samples: int, metadata: Optional[dict] = None) -> Optional[list[str]]:
+    """The source ids of a shard's samples (its `source_ids` metadata; `metadata` if already read),
+    or None for a shard written without them."""
+    if metadata is None:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    raw = metadata.get(SOURCE_IDS)
+    if raw is None:
+        return None
+    try:
+        ids = json.loads(raw)
+    except json.JSONDecodeError:
+        ids = None
+    if not isinstance(ids, list) or len(ids) != num_samples or not all(isinstance(i, str) for i in ids):
+        raise DraftsmithError(f"{path}: metadata `{SOURCE_IDS}` is not a list of {num_samples} strings; the shard is "
+                              "damaged, delete its stage folder and rerun the stage")
+    return ids
 
 
 def iter_samples(paths: Sequence[Path], with_hidden: bool = True) -> Iterator[Sample]:

@@ -16,6 +16,7 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
         for r, i in enumerate(batch):
             if finite[r]:
                 n, s = len(samples[i]), samples[i]
-                out[i] = Sample(s.input_ids, s.loss_mask, s.sample_index, aux[r, :n].clone(), final[r, :n].clone())
+                out[i] = replace(s, aux_hidden=aux[r, :n].clone(), final_hidden=final[r, :n].clone())
     good = [s for s in out if s is not None]
     return good, len(samples) - len(good)
 
@@ -194,8 +195,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             fwd_tokens += sum(len(s) for s in samples)
             if pending is not None:
                 record(*pending)
-            # One metadata key only: safetensors writes metadata in hash order, which changes from
-            # process to process, so two keys would break byte-identical reruns.
+            # The metadata: the stage, and write_shard adds the samples' source ids (keys written sorted,
+            # artifacts.atomic_save_safetensors, so a rerun's shard is byte-identical).
             pending = (writer.submit(write_shard, out_dir / path.name, good, metadata={"stage": "capture"},
                                      storage_dtype=cfg.storage_dtype), rejected)
         if pending is not None:

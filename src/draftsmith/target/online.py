@@ -15,6 +15,7 @@ with `target = load_target(...)` loaded once next to the drafter.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from ..artifacts import DraftsmithError
@@ -31,8 +32,8 @@ def online_samples(target: Target, samples: Sequence[Sample], storage_dtype: str
     good, rejected = capture_samples(target, list(samples), batch_tokens, storage_dtype)
     if storage_dtype == "float8_e4m3":
         n_aux = len(target.aux_layer_ids)
-        good = [Sample(s.input_ids, s.loss_mask, s.sample_index, round_to_storage(s.aux_hidden, storage_dtype, n_aux),
-                       round_to_storage(s.final_hidden, storage_dtype, 1)) for s in good]
+        good = [replace(s, aux_hidden=round_to_storage(s.aux_hidden, storage_dtype, n_aux),
+                        final_hidden=round_to_storage(s.final_hidden, storage_dtype, 1)) for s in good]
     return good, rejected
 
 

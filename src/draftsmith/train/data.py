@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError
 from ..data.batch import Batch, empty_batch
-from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard
+from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard, source_ids
 
 CHUNK = 1024
 PACK_CHUNK_BATCHES = 64
@@ -80,7 +80,8 @@ class CaptureIndex(_Lengths):
         self.entries: list[tuple[int, int, int]] = []  # (shard, first row, length after cut)
         self.input_ids: list[torch.Tensor] = []
         self.loss_mask: list[torch.Tensor] = []
-        self.sample_index: list[int] = []  # the sample's conversation (record in the source): the held-out split's unit
+        self.sample_index: list[int] = []  # the sample's record in the source
+        self.source_id: list[Optional[str]] = []  # its id there (None: a shard written without ids); heldout.conversation_keys
         self.dropped = 0
         for si, p in enumerate(self.paths):
             try:
@@ -99,10 +100,11 @@ class CaptureIndex(_Lengths):
             self._handles[si] = h
             ids, mask, off = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool(), h.get_tensor("offsets").tolist()
             records = h.get_tensor("sample_index").tolist() if "sample_index" in keys else [None] * (len(off) - 1)
+            ids_of = source_ids(p, len(off) - 1, h.metadata() or {}) or [None] * (len(off) - 1)
             if off[-1] != ids.shape[0] or aux_shape[0] != ids.shape[0] or fin_shape[0] != ids.shape[0]:
                 raise DraftsmithError(f"{p}: offsets/rows disagree ({off[-1]} offsets end, {ids.shape[0]} tokens, "
                                       f"{aux_shape[0]} aux rows); delete the capture folder and rerun `draftsmith capture`")
-            for a, b, rec in zip(off[:-1], off[1:], records):
+            for a, b, rec, sid in zip(off[:-1], off[1:], records, ids_of):
                 n = trainable_length(mask[a:b], self.max_length)
                 if not n:
                     self.dropped += 1
@@ -112,6 +114,7 @@ class CaptureIndex(_Lengths):
                 self.loss_mask.append(mask[a:a + n])
                 # a shard without sample_index: each sample a conversation of its own
                 self.sample_index.append(int(rec) if rec is not None else -len(self.entries))
+                self.source_id.append(sid)
         self.lengths = [e[2] for e in self.entries]
 
     def batch(self, sample_ids: Sequence[int], packed_tokens: Optional[int] = None, pin: bool = False) -> Batch:
@@ -147,6 +150,7 @@ class TokenIndex(_Lengths):
         self.input_ids: list[torch.Tensor] = []
         self.loss_mask: list[torch.Tensor] = []
         self.sample_index: list[int] = []
+        self.source_id: list[Optional[str]] = []
         self.dropped = 0
         for si, p in enumerate(self.paths):
             for j, s in enumerate(read_shard(p, with_hidden=False)):
@@ -158,6 +162,7 @@ class TokenIndex(_Lengths):
                 self.input_ids.append(s.input_ids[:n])
                 self.loss_mask.append(s.loss_mask[:n])
                 self.sample_index.append(s.sample_index)
+                self.source_id.append(s.source_id)
         self.lengths = [e[2] for e in self.entries]
 
     def max_token_id(self) -> tuple[int, int]:
@@ -171,7 +176,8 @@ class TokenIndex(_Lengths):
 
     def samples(self, sample_ids: Sequence[int]) -> list[Sample]:
         """Token-only samples (cut to max_length), in the given order."""
-        return [Sample(self.input_ids[j], self.loss_mask[j], self.sample_index[j]) for j in sample_ids]
+        return [Sample(self.input_ids[j], self.loss_mask[j], self.sample_index[j], source_id=self.source_id[j])
+                for j in sample_ids]
 
 
 def epoch_plan(lengths: Sequence[int], budget: int, seed: int, epoch: int, layout: Layout = "packed") -> list[list[int]]:

@@ -1,10 +1,13 @@
 """Held-out evaluation during training: the split by conversation, the eval cadence, the
-overfitting test, the `heldout` record of the train manifest and the learning curve.
+overfitting test, the `heldout` record of the train manifest, the learning curve, and the
+engine's measured tau on held-out prompts at the end.
 
+    conversation_keys(source_ids, sample_index) -> each sample's conversation (ShareGPT parts joined)
     split_by_conversation(conversations, heldout, seed) -> (train ids, held-out ids)
     overfitting(evals)       -> {from_step, to_step, heldout_from, heldout_to, train_from, train_to} | None
     heldout_record(evals, best, samples, conversations) -> manifest["metrics"]["heldout"] (status.py reads it)
     plot_learning_curve(evals, steps) -> PNG bytes (held-out and train simulated tau vs tokens seen)
+    engine_prompts(...) / engine_record(...) -> metrics.heldout.engine: tau of evaluate's decoding on held-out prompts
 
 An eval record (train/eval.jsonl) is {step, tokens_seen, loss, acc, tau, weight, train_acc, train_tau}:
 held-out teacher-forced accuracy per TTT position and its simulated tau, beside the training
@@ -14,11 +17,20 @@ from __future__ import annotations
 
 import io
 import math
-from typing import Optional, Sequence, Union
+import re
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Hashable, Optional, Sequence, Union
 
 import torch
 
 from ..artifacts import DraftsmithError
+from ..config import Recipe
+from ..draft.io import load_drafter
+from ..evaluate.measure import run_method
+from ..evaluate.stage import load_models, prompt_budget
+from ..target.model import Target, eos_token_ids, load_tokenizer
 from .ttt import simulated_tau
 
 AUTO_MAX_SAMPLES = 256
@@ -28,6 +40,12 @@ AUTO_EVALS_PER_RUN = 10
 # few hundred samples is well under it).
 FALL_TOLERANCE = 0.01
 FALLING_EVALS = 2
+# ShareGPT cuts a long conversation into records `<id>_<turn>` (`QWJhYvA_0`, `QWJhYvA_11`); the
+# builtin file has up to 89 parts per conversation. A stem shared by more records than this (or by
+# more than half of them) is a naming scheme (`sample_0`, `sample_1`, ...), not one conversation.
+SHAREGPT_PART = re.compile(r"_\d+$")
+MAX_PARTS = 256
+ENGINE_MAX_NEW_TOKENS = 64
 
 
 def heldout_count(setting: Union[int, str], num_samples: int) -> int:
@@ -44,17 +62,29 @@ def eval_interval(setting: Union[int, str], total_steps: int) -> int:
     return int(setting)
 
 
-def split_by_conversation(conversations: Sequence[int], heldout: int, seed: int) -> tuple[list[int], list[int]]:
+def conversation_keys(source_ids: Sequence[Optional[str]], sample_index: Sequence[int]) -> list[Hashable]:
+    """Each sample's conversation, the unit the held-out split keeps whole: the stem of its source
+    id (ShareGPT's parts `abc_0`, `abc_1` of one long conversation share the stem `abc`), except
+    for a stem shared by more than MAX_PARTS samples or by more than half of them (a naming scheme:
+    those keep their whole ids). Samples of shards written without source ids: their record index."""
+    if not source_ids or any(i is None for i in source_ids):
+        return list(sample_index)
+    stems = [SHAREGPT_PART.sub("", i) for i in source_ids]
+    parts = Counter(stems)
+    return [stem if parts[stem] <= MAX_PARTS and 2 * parts[stem] <= len(stems) else i for stem, i in zip(stems, source_ids)]
+
+
+def split_by_conversation(conversations: Sequence[Hashable], heldout: int, seed: int) -> tuple[list[int], list[int]]:
     """(training sample ids, held-out sample ids). `conversations[j]` is sample j's conversation
-    (its record in the source): whole conversations are held out, taken in a seeded permutation
-    until at least `heldout` samples are out, so no conversation is on both sides. One sample per
-    conversation gives the per-sample split of a seeded permutation."""
+    (conversation_keys): whole conversations are held out, taken in a seeded permutation of the
+    sorted keys until at least `heldout` samples are out, so no conversation is on both sides. One
+    sample per conversation gives the per-sample split of a seeded permutation."""
     n = len(conversations)
     if heldout <= 0:
         return list(range(n)), []
-    groups: dict[int, list[int]] = {}
+    groups: dict[Hashable, list[int]] = {}
     for j, c in enumerate(conversations):
-        groups.setdefault(int(c), []).append(j)
+        groups.setdefault(c, []).append(j)
     keys = sorted(groups)
     order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(int(seed) * 7919 + 17)).tolist()
     held: list[int] = []
@@ -139,3 +169,71 @@ def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict]) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
+
+
+# -- tau measured by the engine on held-out prompts, at the end of training --------------------
+
+def engine_prompts(conversations: Sequence[Hashable], input_ids: Sequence[torch.Tensor], loss_mask: Sequence[torch.Tensor],
+                   heldout_ids: Sequence[int]) -> list[tuple[Hashable, list[int]]]:
+    """(conversation, prompt ids) of each held-out conversation, in the order of its first sample:
+    that sample's tokens before its first loss token, i.e. the chat template's rendering of the
+    conversation's first user turn (and any system turn before it) up to the assistant header,
+    token for token the prompt the drafter trained on. Training samples are never read."""
+    out, seen = [], set()
+    for j in heldout_ids:
+        key = conversations[j]
+        if key in seen:
+            continue
+        seen.add(key)
+        first = torch.nonzero(loss_mask[j]).flatten()
+        if len(first) and first[0] > 0:
+            out.append((key, input_ids[j][:int(first[0])].tolist()))
+    return out
+
+
+def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[int]]], count: int, depth: int,
+               evaluate_cfg, eos_ids: list[int]) -> dict:
+    """The engine's tau on the first `count` prompts that fit the target's positions: evaluate's
+    greedy EAGLE-3 chain (measure.run_method, batch 1, eager) drafting `depth` tokens per round,
+    ENGINE_MAX_NEW_TOKENS new tokens per prompt; tau = emitted tokens / target verifications,
+    over all prompts (evaluate's definition)."""
+    cfg = replace(evaluate_cfg, draft_steps=depth, max_new_tokens=ENGINE_MAX_NEW_TOKENS, temperature=0.0, resident=False)
+    budget = prompt_budget(target, cfg, ["eagle3_chain"])
+    used = [(key, ids) for key, ids in prompts if budget is None or len(ids) <= budget][:count]
+    if not used:
+        return {"skipped": f"no held-out prompt fits the target's positions with {ENGINE_MAX_NEW_TOKENS} new tokens"}
+    emitted, rounds = 0, 0
+    for _, ids in used:
+        _, [stats], _ = run_method(target, drafter, "eagle3_chain", [ids], cfg, eos_ids)
+        emitted += sum(stats.emitted_per_round)
+        rounds += stats.rounds
+    return {"tau_chain": emitted / rounds if rounds else None, "prompts": len(used), "depth": depth,
+            "max_new_tokens": ENGINE_MAX_NEW_TOKENS, "emitted": emitted, "rounds": rounds,
+            "conversations": [key for key, _ in used]}
+
+
+def engine_record(recipe: Recipe, drafter_dir: Path, prompts: Sequence[tuple[Hashable, list[int]]],
+                  online_target: Optional[Target]) -> dict:
+    """metrics.heldout.engine: engine_tau of the drafter in drafter_dir, on the target training ran
+    (online) or, offline, the target loaded as evaluate loads it (evaluate.stage.load_models);
+    depth = train.ttt_steps capped by evaluate.draft_steps. {"skipped": reason} when the target
+    cannot be loaded, the decoding fails (out of memory, too few positions) or no prompt is
+    usable: the drafter is written by then, and a rerun would only meet the same failure."""
+    count = int(recipe.train.heldout_engine_prompts)
+    depth = min(int(recipe.train.ttt_steps), int(recipe.evaluate.draft_steps))
+    if not prompts:
+        return {"skipped": "no held-out sample has prompt tokens before its first loss token"}
+    try:
+        if online_target is not None:
+            target = online_target
+            drafter = load_drafter(drafter_dir, device=target.device, dtype=target.dtype)
+            if target.tokenizer is None:  # loaded for training without one: its EOS ends an answer too
+                target.tokenizer = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
+        else:
+            target, drafter = load_models(recipe, drafter_dir)
+    except (DraftsmithError, OSError, torch.OutOfMemoryError) as e:
+        return {"skipped": f"target not loaded: {' '.join(str(e).split())[:300]}"}
+    try:
+        return engine_tau(target, drafter, prompts, count, depth, recipe.evaluate, eos_token_ids(target))
+    except (DraftsmithError, torch.OutOfMemoryError) as e:  # e.g. positions too few for the new tokens, memory
+        return {"skipped": f"not measured: {' '.join(str(e).split())[:300]}"}

@@ -12,9 +12,11 @@ embedding and lm_head (read_target_embeddings: no full model load). Writes
                             draft/io.py's save_drafter): with held-out samples, a copy of best/ at the
                             end; without, the last step's
     train/last/             the last step's drafter (with held-out samples only)
-Held-out samples (train.heldout_samples, default auto) are whole conversations (heldout.py);
-the manifest's metrics.heldout record (best and last held-out figures, still_improving,
-overfitting) is what `status` shows and reasons from.
+Held-out samples (train.heldout_samples, default auto) are whole conversations (heldout.py:
+ShareGPT's parts of one conversation together); the manifest's metrics.heldout record (best and
+last held-out figures, still_improving, overfitting, and `engine`: the final drafter's tau measured
+by evaluate's decoding on train.heldout_engine_prompts held-out first turns) is what `status`
+shows and reasons from.
 The same code runs under `python` (one process) and `torchrun` (FSDP2, docs/distributed.md).
 A micro-batch is packed by default (train.batch_layout; train/data.py): whole samples end to
 end in one fixed [1, micro_batch_tokens] row, so every forward has the same shape. A step takes
@@ -74,7 +76,8 @@ from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .flops import peak_flops, train_flops_per_token
-from .heldout import best_of, eval_interval, heldout_count, heldout_record, overfitting, plot_learning_curve, split_by_conversation
+from .heldout import (best_of, conversation_keys, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record, overfitting,
+                      plot_learning_curve, split_by_conversation)
 from .ttt import TTTLoss, position_weights, simulated_tau
 
 MAX_NONFINITE_IN_A_ROW = 10
@@ -454,7 +457,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     model, params, opts = tr.model, tr.params, tr.opts
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
-    train_ids, heldout_ids = split_by_conversation(index.sample_index, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
+    conversations = conversation_keys(index.source_id, index.sample_index)
+    train_ids, heldout_ids = split_by_conversation(conversations, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
     sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
 
@@ -496,7 +500,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if main:
         log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
             f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out"
-            + (f" in {len({index.sample_index[j] for j in heldout_ids})} conversations, evaluated every {eval_every} steps" if heldout_ids else "")
+            + (f" in {len({conversations[j] for j in heldout_ids})} conversations, evaluated every {eval_every} steps" if heldout_ids else "")
             + f"), {sum(train_lengths)} tokens/epoch, "
             f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
             + (f"packed [1, {micro_tokens}] ({100 * fill:.1f}% real tokens), " if packed_tokens else "padded, ")
@@ -734,8 +738,18 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if best_rec:
         manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
         manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(heldout_ids),
-                                                        len({index.sample_index[j] for j in heldout_ids}))
+                                                        len({conversations[j] for j in heldout_ids}))
         manifest["best"] = {"dir": "best", **best_rec}
+        if tc.heldout_engine_prompts > 0:
+            t0 = time.time()
+            prompts = engine_prompts(conversations, index.input_ids, index.loss_mask, heldout_ids)
+            eng = engine_record(recipe, out_dir / "drafter", prompts, source.target if source.online else None)
+            manifest["metrics"]["heldout"]["engine"] = eng
+            manifest["timings"]["heldout_engine_s"] = round(time.time() - t0, 3)
+            log(f"[train] held-out tau measured by the engine {eng['tau_chain']:.3f} on {eng['prompts']} held-out prompts "
+                f"(greedy chain, depth {eng['depth']}, {eng['max_new_tokens']} new tokens, {time.time() - t0:.1f} s); "
+                f"held-out simulated tau of this drafter {best_rec['tau_simulated']:.3f}" if "skipped" not in eng
+                else f"[train] held-out tau by the engine skipped: {eng['skipped']}")
     manifest["timings"]["train_s_this_session"] = round(wall, 3)
     log(f"[train] done: {step} steps, loss {w['loss']:.4f}, acc {' '.join(f'{a:.2f}' for a in w['acc'])}, "
         f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'} ({manifest['drafter']['from']})"
