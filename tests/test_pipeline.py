@@ -14,6 +14,7 @@ import yaml
 
 from draftsmith.artifacts import Ledger, load_manifest
 from draftsmith.cli import main
+from draftsmith.status import collect
 from draftsmith.testing import make_model_dir
 
 CONVERSATIONS = [
@@ -74,6 +75,16 @@ def test_run_then_skip(tmp_path, target, capsys):
     new = Ledger(run_dir).read()[n_events:]
     assert [e["event"] for e in new if e["event"].startswith("stage_")] == ["stage_skipped"] * 6
     assert figures(run_dir) == first
+    # Keys that never change the drafter (logging, checkpoint cadence, side measurements) are no
+    # reason to retrain: every stage stays complete, and `run` reports it so.
+    n_events = len(Ledger(run_dir).read())
+    drafter = (run_dir / "train" / "drafter" / "model.safetensors").read_bytes()
+    assert main(["run", str(recipe), "--train.log_every", "1", "--train.save_every", "7",
+                 "--train.heldout_engine_prompts", "0", "--train.peak_tflops", "123"]) == 0
+    new = Ledger(run_dir).read()[n_events:]
+    assert [e["event"] for e in new if e["event"].startswith("stage_")] == ["stage_skipped"] * 6
+    assert (run_dir / "train" / "drafter" / "model.safetensors").read_bytes() == drafter
+    assert {s["stage"]: s["state"] for s in collect(run_dir)["stages"]}["train"] == "done"
     # Changing a train setting reruns train and what follows it, not what precedes it.
     assert main(["train", str(recipe), "--train.lr", "0.001"]) == 0
     started = [e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_started"]

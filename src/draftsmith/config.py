@@ -220,9 +220,10 @@ class TrainConfig:
     grad_clip: float = 0.5
     """Clip the gradient norm to this; 0: no clipping."""
     save_every: int = 100
-    """Checkpoint every N steps (and at the end)."""
+    """Checkpoint every N steps (and at the end). Changing it does not retrain a complete stage."""
     log_every: int = 10
-    """Print a line (and write TensorBoard scalars) every N optimizer steps."""
+    """Print a line (and write TensorBoard scalars) every N optimizer steps. Changing it does not
+    retrain a complete stage."""
     device: str = "auto"
     """auto, cpu, cuda or cuda:N; under torchrun, auto and cuda mean each rank's own GPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -247,15 +248,17 @@ class TrainConfig:
     OVERFITTING line in the log when the held-out figure falls while the training figure rises.
     The best drafter by held-out simulated tau is kept in train/best/ and becomes train/drafter/
     (what evaluate and export use); the last step's is train/last/. auto = about 10 evaluations
-    per run; 0 = only at the end."""
+    per run; 0 = only at the end. Changing it retrains: another cadence can pick another best."""
     heldout_engine_prompts: int = 16
     """At the end, the best drafter's tau measured by evaluate's speculative decoding (greedy
     EAGLE-3 chain, depth ttt_steps capped by evaluate.draft_steps, 64 new tokens per prompt, batch
     1) on the first user turn of this many held-out conversations, beside the simulated tau
     (manifest metrics.heldout.engine, `status`). Offline it loads the target as evaluate does;
-    online it reuses the training one. 0 = off."""
+    online it reuses the training one. 0 = off. Changing it does not retrain a complete stage (to
+    measure a complete one, rerun train with --force)."""
     peak_tflops: Optional[float] = None
-    """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
+    """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table.
+    Changing it does not retrain a complete stage."""
     head_init: Literal["random", "target"] = "target"
     """Initial drafter lm_head: the target's lm_head rows of the draft vocab (the drafter then
     starts by reading its hidden state the way the target reads its own), or random. target won

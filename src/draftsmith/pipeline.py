@@ -2,7 +2,8 @@
 done, resume what is half done.
 
 Each stage is a function `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
-covers its own config section, the target, and the fingerprints of the stages it reads;
+covers its own config section (less the keys its table entry lists as unfingerprinted:
+logging cadence, side measurements), the target, and the fingerprints of the stages it reads;
 a complete manifest with the same fingerprint means the stage is skipped. A stage whose
 manifest says `running` with the same fingerprint resumes from what it listed; one with
 another fingerprint starts over in a clean folder.
@@ -94,7 +95,11 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     for u in upstream_of(stage, recipe):
         m = load_manifest(stage_dir(run_dir, u))
         up[u] = m["fingerprint"] if m and m.get("status") == "complete" else None
-    cfg = {s: getattr(recipe, s) for s in sections}
+    cfg = {s: to_jsonable(getattr(recipe, s)) for s in sections}
+    for key in STAGE_TABLE[stage].unfingerprinted:  # logging and side measurements: not the stage's output
+        section, name = key.split(".")
+        if isinstance(cfg.get(section), dict):
+            cfg[section].pop(name, None)
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
         extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])

@@ -29,6 +29,10 @@ class Stage:
     """Recipe sections its fingerprint covers."""
     upstream: tuple[str, ...]
     """Stages whose output it reads (their fingerprints enter its own)."""
+    unfingerprinted: tuple[str, ...] = ()
+    """Keys of its sections ("train.log_every") left out of its fingerprint: they only change what
+    it logs, saves on the way or measures beside its output, never the output itself, so changing
+    one leaves a complete stage complete (and downstream stages with it)."""
 
 
 STAGE_TABLE: dict[str, Stage] = {
@@ -38,7 +42,7 @@ STAGE_TABLE: dict[str, Stage] = {
     "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate")),
     "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
     "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
-                   ("capture", "vocab")),
+                   ("capture", "vocab"), train.UNFINGERPRINTED),
     "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
                       ("train",)),
     "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),

@@ -85,6 +85,14 @@ ADAM_BETAS = (0.9, 0.95)
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 CURVE_FILE = "learning_curve.png"
+UNFINGERPRINTED = ("train.log_every", "train.save_every", "train.heldout_engine_prompts", "train.peak_tflops")
+"""train.* keys that never change the trained drafter, left out of the stage's fingerprint
+(stages.Stage.unfingerprinted): changing one leaves a complete train stage complete. They set what
+is logged (log_every, also the window of the logged figures), how often a checkpoint is saved
+(a resume reproduces the same steps from any of them), a measurement beside the drafter
+(heldout_engine_prompts: to measure it on a complete stage, rerun with --force) and the peak
+the MFU figure divides by. eval_every stays in: train/drafter is the best drafter by held-out
+tau among the steps evaluated, so another cadence can pick another drafter."""
 
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
