@@ -282,6 +282,14 @@ def load_manifest(directory: str | Path) -> dict | None:
     return m
 
 
+def output_fingerprint(manifest: dict) -> str:
+    """What a downstream stage's fingerprint takes from this complete manifest: its
+    `output_fingerprint` where the stage writes one (train: its fingerprint and the drafter's
+    checksum, as a run continued under a larger train.max_minutes changes the drafter, not the
+    fingerprint), else its fingerprint."""
+    return manifest.get("output_fingerprint") or manifest["fingerprint"]
+
+
 def require_complete(directory: str | Path, what: str) -> dict:
     """Manifest of an upstream stage that must be complete, else a one-line error."""
     m = load_manifest(directory)

@@ -181,7 +181,9 @@ class TrainConfig:
     """Wall-clock budget of the training loop in minutes, summed over resumed sessions (0 = off).
     At the first step past it training stops cleanly: a held-out evaluation, a checkpoint, the
     drafter, and a complete manifest with `stopped: budget`. The lr schedule cannot know where
-    that falls: it decays over max_steps / max_tokens / epochs, so set one of those near what fits."""
+    that falls: it decays over max_steps / max_tokens / epochs, so set one of those near what fits.
+    Not in the train fingerprint: on a complete stage, a larger budget continues a run it stopped (from
+    its last checkpoint), one the run already fits leaves it complete, a smaller one retrains."""
     batch_tokens: int = 4096
     """Global batch: tokens per optimizer step, over all ranks and micro-batches."""
     micro_batch_tokens: Optional[int] = None
