@@ -138,6 +138,22 @@ def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     assert err.startswith("error:") and "\n" not in err
 
 
+def test_force_is_a_plain_flag(tmp_path, target):
+    """`--force` alone redoes a complete stage (docs/reliability.md writes it so), anywhere on the
+    line; `--force true` / `--force false` still work (benchmarks/h200.sh passes `--force true`)."""
+    from draftsmith.config import parse_recipe
+
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    for argv, force in (([str(recipe), "--force"], True), (["--force", str(recipe)], True), ([str(recipe), "--force", "true"], True),
+                        ([str(recipe), "--force", "false"], False), ([str(recipe)], False)):
+        assert parse_recipe(argv)[1] is force, argv
+    r, force = parse_recipe([str(recipe), "--force", "--prepare.max_length", "96"])
+    assert force and r.prepare.max_length == 96
+    assert main(["prepare", str(recipe)]) == 0
+    assert main(["prepare", str(recipe), "--force"]) == 0
+    assert [e["event"] for e in Ledger(tmp_path / "run").read() if e["event"].startswith("stage_")][-2:] == ["stage_started", "stage_finished"]
+
+
 def _run_until(cmd: list[str], run_dir: Path, stage: str, progressed, timeout: float = 240) -> int:
     """Start cmd; once `progressed(run_dir)` says the stage is part-way (work listed, not finished),
     freeze it (SIGSTOP, at once) and kill -9 it; returns its exit status. Fails when the process

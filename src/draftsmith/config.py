@@ -394,7 +394,8 @@ def recipe_parser(prog: str, description: str) -> ArgumentParser:
     """The parser of `draftsmith STAGE [RECIPE.yaml] [--section.key value ...]`: every Recipe field is a flag."""
     p = cli_parser(prog, description, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
-    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
+    p.add_argument("--force", type=bool, nargs="?", const=True, default=False,
+                   help="redo the stage(s) even when complete (a plain flag; `--force true/false` also works)")
     p.add_class_arguments(Recipe, None, fail_untyped=True)
     return p
 
@@ -519,8 +520,14 @@ def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] =
                               f"{recipe.train.batch_tokens}; make the micro-batch at most the batch")
 
 
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")
+"""What may follow `--force` as its value (jsonargparse's bool words); anything else is the next argument."""
+
+
 def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
     """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`; values are checked (check_recipe)."""
+    if argv[:1] == ["--force"] and len(argv) > 1 and not argv[1].startswith("-") and argv[1].lower() not in BOOL_WORDS:
+        argv = [*argv[1:], "--force"]  # `draftsmith run --force RECIPE.yaml`: the flag, then the recipe
     if argv and not argv[0].startswith("-"):
         path = Path(argv[0])
         if not path.exists():
