@@ -138,6 +138,23 @@ def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     assert err.startswith("error:") and "\n" not in err
 
 
+def test_unknown_evaluate_method_is_refused_before_any_stage(tmp_path, target, capsys):
+    """A typo in evaluate.methods is a one-line error at parse time (exit 2, nothing run), not a
+    failure of the evaluate stage after training."""
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    assert main(["run", str(recipe), "--evaluate.methods", "[eagle3_chain, eagle3_chian]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {recipe}: evaluate.methods 'eagle3_chian': not a method; "
+                   "choose from eagle3_chain, eagle3_tree, ngram, plain")
+    assert not (tmp_path / "run").exists()
+    bad = tmp_path / "bad.yaml"
+    r = yaml.safe_load(recipe.read_text())
+    r["evaluate"]["methods"] = ["ngram", "tree"]
+    bad.write_text(yaml.safe_dump(r))
+    assert main(["train", str(bad)]) == 2
+    assert f"error: {bad}: evaluate.methods 'tree': not a method" in capsys.readouterr().err
+
+
 def test_force_is_a_plain_flag(tmp_path, target):
     """`--force` alone redoes a complete stage (docs/reliability.md writes it so), anywhere on the
     line; `--force true` / `--force false` still work (benchmarks/h200.sh passes `--force true`)."""

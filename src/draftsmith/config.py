@@ -278,6 +278,12 @@ class TrainConfig:
     and seed train the same drafter."""
 
 
+SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
+"""The speculative decoders evaluate measures, in the order it runs them (evaluate/measure.py)."""
+EVALUATE_METHODS = (*SPEC_METHODS, "plain")
+"""Every name evaluate.methods takes: the speculative decoders and plain decoding (the reference)."""
+
+
 @dataclass
 class EvaluateConfig:
     """Speculative decoding with the trained drafter, against plain decoding."""
@@ -292,7 +298,7 @@ class EvaluateConfig:
     """Chain length k: tokens drafted per target verification."""
     check_lossless: bool = True
     """Assert that speculative output equals plain greedy output on every prompt."""
-    methods: list[str] = field(default_factory=lambda: ["eagle3_chain", "eagle3_tree", "ngram", "plain"])
+    methods: list[str] = field(default_factory=lambda: list(EVALUATE_METHODS))
     """Decoders to measure: eagle3_chain, eagle3_tree, ngram (prompt lookup, the baseline), plain
     (the reference; always run)."""
     max_turns: int = 2
@@ -487,6 +493,15 @@ _LOWEST_MEANS = {"train.max_tokens": "0 = no budget", "train.max_minutes": "0 = 
 """What the lowest value of a limit means, where it is a setting of its own (said in the error)."""
 
 
+def check_methods(methods: list[str], where: str) -> None:
+    """Refuse an evaluate.methods name that is not a decoder evaluate runs (a typo found at parse
+    time, not after training)."""
+    bad = [m for m in methods if m not in EVALUATE_METHODS]
+    if bad:
+        raise DraftsmithError(f"{where}: evaluate.methods {', '.join(map(repr, bad))}: not a method; "
+                              f"choose from {', '.join(EVALUATE_METHODS)}")
+
+
 def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output. With
@@ -512,6 +527,8 @@ def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] =
             raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{said}; fix the value in the recipe")
         if hi is not None and value > hi:
             raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
+    if wanted("evaluate.methods"):
+        check_methods(recipe.evaluate.methods, where)
     if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
         raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
     if wanted("train.micro_batch_tokens") and recipe.train.micro_batch_tokens is not None \
