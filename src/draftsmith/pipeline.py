@@ -24,9 +24,9 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import (DraftsmithError, Ledger, RunLock, atomic_write_bytes, atomic_write_text, fingerprint, fingerprint_path,
-                        is_main_rank, load_manifest, log, output_fingerprint, process_cmdline, process_rank, process_start_time, stage_dir,
-                        to_jsonable)
+from .artifacts import (PREVIOUS_DIR_TAG, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes, atomic_write_text, fingerprint,
+                        fingerprint_path, is_main_rank, load_manifest, log, output_fingerprint, process_cmdline, process_rank,
+                        process_start_time, stage_dir, to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -117,7 +117,7 @@ def write_recipe(recipe: Recipe, run_dir: Path) -> None:
 
 def previous_dir(out_dir: Path) -> Path:
     """Where a complete stage output waits while a new run of that stage replaces it."""
-    return out_dir.with_name(f".{out_dir.name}.previous")
+    return aside_path(out_dir, PREVIOUS_DIR_TAG)
 
 
 def _check_run_dir(run_dir: Path) -> None:
