@@ -3,8 +3,10 @@ done, resume what is half done.
 
 Each stage is a function `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
 covers its own config section (less the keys its table entry lists as unfingerprinted:
-logging cadence, side measurements), the target, and the fingerprints of the stages it reads;
-a complete manifest with the same fingerprint means the stage is skipped. A stage whose
+logging cadence, side measurements), the target, and the output fingerprints of the stages it
+reads (artifacts.output_fingerprint); a complete manifest with the same fingerprint means the
+stage is skipped, unless the table entry's `revisit` says the recipe asks for more (train under a
+larger train.max_minutes: it continues from its checkpoint) or for less (it starts over). A stage whose
 manifest says `running` with the same fingerprint resumes from what it listed; one with
 another fingerprint starts over in a clean folder.
 
