@@ -226,3 +226,18 @@ def test_pipeline_rank1_resumes_running_stage(tmp_path, fake_stage, rank1, monke
     assert fake_stage.calls == [("wrote", True), ("finished", True)]  # rank 0's running manifest, untouched
     assert load_manifest(out)["status"] == "running" and (out / "shard-00000.safetensors").read_bytes() == b"kept"
     assert not (Path(recipe.run_dir) / LEDGER).exists()
+
+
+def test_temp_names_are_made_in_one_place():
+    """Every temp or set-aside name comes from artifacts.aside_path (so artifacts.is_temp_name, which
+    the leftover checks use, knows them all): no other module spells one out with `with_name(f".`."""
+    from draftsmith.artifacts import TEMP_TAGS, aside_path, is_temp_name
+
+    src = Path(__file__).resolve().parents[1] / "src" / "draftsmith"
+    spelled = [str(p.relative_to(src)) for p in src.rglob("*.py")
+               if p.name != "artifacts.py" and 'with_name(f".' in p.read_text(encoding="utf-8")]
+    assert not spelled, spelled
+    assert all(is_temp_name(aside_path(Path("run/train"), tag, "1-2" if tag.endswith("-") else "").name) for tag in TEMP_TAGS)
+    assert not any(map(is_temp_name, ["train", "manifest.json", ".rank-00000.json", ".tmpfile", "x.tmp"]))
+    with pytest.raises(ValueError):
+        aside_path(Path("run/train"), ".bak")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from badinput.cases import CASES, SOURCES, Case, Ctx, base_recipe, doc_section, table
-from draftsmith.artifacts import load_manifest, stage_dir, verify_shards
+from draftsmith.artifacts import TEMP_FILE_TAG, TEMP_TAGS, aside_path, is_temp_name, load_manifest, stage_dir, verify_shards
 from draftsmith.cli import main
 from draftsmith.testing import make_model_dir
 
@@ -42,8 +42,25 @@ def good_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def leftovers(root: Path) -> list[str]:
-    """Temp files or folders of atomic writes still lying around."""
-    return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name)
+    """Temp files or folders of atomic writes, or stage outputs set aside, still lying around:
+    every name artifacts.aside_path makes (artifacts.is_temp_name)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if is_temp_name(p.name))
+
+
+def test_leftovers_sees_every_temp_name(tmp_path):
+    """The check sees each name the code writes while replacing something (artifacts.TEMP_TAGS:
+    `.NAME.tmp-PID-THREAD`, `.NAME.tmp`, `.NAME.old`, `.STAGE.previous`), not only the first."""
+    made = [aside_path(tmp_path / "run" / "train" / "drafter", tag) for tag in TEMP_TAGS]
+    made.append(aside_path(tmp_path / "run" / "data" / "manifest.json", TEMP_FILE_TAG, "123-456"))
+    for p in made:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("")
+    for name in (".data.previous", ".drafter.tmp", ".drafter.old", ".manifest.json.tmp-1-2"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "run" / "data" / "manifest.json").write_text("{}")
+    (tmp_path / "run" / ".hidden.json").write_text("{}")
+    assert leftovers(tmp_path) == sorted([*(str(p.relative_to(tmp_path)) for p in made),
+                                          ".data.previous", ".drafter.tmp", ".drafter.old", ".manifest.json.tmp-1-2"])
 
 
 def complete_manifests(run_dir: Path) -> dict[str, str]:

@@ -1,8 +1,8 @@
 """The import graph of src/draftsmith, read from the AST (module-level and function-local imports
 alike): no cycle, and no import running back up the layers of docs/architecture.md; inside
 speculate/ no cycle either (its files are layers of their own: tree/cache, verifier, proposers,
-the loop) and no file reaches into another's private names (`x._verify(...)`, `from .a import _b`).
-Nothing is imported or run; the files are parsed.
+the loop) and no file reaches into another's private names (`x._verify(...)`, `from .a import _b`);
+and no module imports a name it never uses. Nothing is imported or run; the files are parsed.
 
     python tests/test_layering.py [SRC]    # prints the violations of another tree (e.g. /work/main/src)
 """
@@ -185,6 +185,47 @@ def violations(src: Path) -> list[str]:
         if "artifacts" in text or "safetensors" in text:
             out.append("draftsmith.draft.model does file I/O (artifacts/safetensors); that belongs in draft/io.py")
     return out
+
+
+def unused_imports(src: Path) -> list[str]:
+    """`FILE:LINE: NAME imported, never used` for each import a module never reads (pyflakes' F401,
+    which the project venv does not ship). `import x as x` and names in `__all__` count as
+    re-exports; names inside string annotations count as used."""
+    out = []
+    for mod, path in module_files(src).items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported: dict[str, int] = {}
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and not (isinstance(n, ast.ImportFrom) and n.module == "__future__"):
+                for a in n.names:
+                    if a.name != "*" and a.asname != a.name:
+                        imported.setdefault((a.asname or a.name).split(".")[0], n.lineno)
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        for n in ast.walk(tree):
+            notes = [getattr(n, "annotation", None), getattr(n, "returns", None)]
+            for a in notes:
+                if isinstance(a, ast.Constant) and isinstance(a.value, str):
+                    used |= {x.id for x in ast.walk(ast.parse(a.value, mode="eval")) if isinstance(x, ast.Name)}
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
+                used |= {e.value for e in getattr(n.value, "elts", []) if isinstance(e, ast.Constant)}
+        rel = path.relative_to(src)
+        out += [f"{rel}:{line}: {name} imported, never used" for name, line in imported.items() if name not in used]
+    return out
+
+
+def test_no_unused_imports():
+    found = unused_imports(SRC)
+    assert not found, "\n".join(found)
+
+
+def test_unused_imports_are_found(tmp_path):
+    """The checker itself: an unused name is reported, a used one, a re-export and a string annotation are not."""
+    pkg = tmp_path / "draftsmith"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from __future__ import annotations\nimport os, json\nfrom .b import best_of, keep, Shown as Shown\n"
+                              "from typing import Optional\ndef f(x: 'Optional[int]'):\n    return keep(os.sep)\n")
+    assert unused_imports(tmp_path) == ["draftsmith/a.py:2: json imported, never used", "draftsmith/a.py:3: best_of imported, never used"]
 
 
 def test_no_cycles_and_no_upward_imports():

@@ -14,6 +14,7 @@ import yaml
 
 from draftsmith.artifacts import Ledger, load_manifest
 from draftsmith.cli import main
+from draftsmith.status import collect
 from draftsmith.testing import make_model_dir
 
 CONVERSATIONS = [
@@ -74,6 +75,16 @@ def test_run_then_skip(tmp_path, target, capsys):
     new = Ledger(run_dir).read()[n_events:]
     assert [e["event"] for e in new if e["event"].startswith("stage_")] == ["stage_skipped"] * 6
     assert figures(run_dir) == first
+    # Keys that never change the drafter (logging, checkpoint cadence, side measurements) are no
+    # reason to retrain: every stage stays complete, and `run` reports it so.
+    n_events = len(Ledger(run_dir).read())
+    drafter = (run_dir / "train" / "drafter" / "model.safetensors").read_bytes()
+    assert main(["run", str(recipe), "--train.log_every", "1", "--train.save_every", "7",
+                 "--train.heldout_engine_prompts", "0", "--train.peak_tflops", "123"]) == 0
+    new = Ledger(run_dir).read()[n_events:]
+    assert [e["event"] for e in new if e["event"].startswith("stage_")] == ["stage_skipped"] * 6
+    assert (run_dir / "train" / "drafter" / "model.safetensors").read_bytes() == drafter
+    assert {s["stage"]: s["state"] for s in collect(run_dir)["stages"]}["train"] == "done"
     # Changing a train setting reruns train and what follows it, not what precedes it.
     assert main(["train", str(recipe), "--train.lr", "0.001"]) == 0
     started = [e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_started"]
@@ -125,6 +136,39 @@ def test_bad_recipe_key_is_one_line_error(tmp_path, target, capsys):
     assert main(["run", str(recipe), "--train.bogus", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err
+
+
+def test_unknown_evaluate_method_is_refused_before_any_stage(tmp_path, target, capsys):
+    """A typo in evaluate.methods is a one-line error at parse time (exit 2, nothing run), not a
+    failure of the evaluate stage after training."""
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    assert main(["run", str(recipe), "--evaluate.methods", "[eagle3_chain, eagle3_chian]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {recipe}: evaluate.methods 'eagle3_chian': not a method; "
+                   "choose from eagle3_chain, eagle3_tree, ngram, plain")
+    assert not (tmp_path / "run").exists()
+    bad = tmp_path / "bad.yaml"
+    r = yaml.safe_load(recipe.read_text())
+    r["evaluate"]["methods"] = ["ngram", "tree"]
+    bad.write_text(yaml.safe_dump(r))
+    assert main(["train", str(bad)]) == 2
+    assert f"error: {bad}: evaluate.methods 'tree': not a method" in capsys.readouterr().err
+
+
+def test_force_is_a_plain_flag(tmp_path, target):
+    """`--force` alone redoes a complete stage (docs/reliability.md writes it so), anywhere on the
+    line; `--force true` / `--force false` still work (benchmarks/h200.sh passes `--force true`)."""
+    from draftsmith.config import parse_recipe
+
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    for argv, force in (([str(recipe), "--force"], True), (["--force", str(recipe)], True), ([str(recipe), "--force", "true"], True),
+                        ([str(recipe), "--force", "false"], False), ([str(recipe)], False)):
+        assert parse_recipe(argv)[1] is force, argv
+    r, force = parse_recipe([str(recipe), "--force", "--prepare.max_length", "96"])
+    assert force and r.prepare.max_length == 96
+    assert main(["prepare", str(recipe)]) == 0
+    assert main(["prepare", str(recipe), "--force"]) == 0
+    assert [e["event"] for e in Ledger(tmp_path / "run").read() if e["event"].startswith("stage_")][-2:] == ["stage_started", "stage_finished"]
 
 
 def _run_until(cmd: list[str], run_dir: Path, stage: str, progressed, timeout: float = 240) -> int:

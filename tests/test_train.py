@@ -213,6 +213,52 @@ def test_minutes_budget_stops_cleanly_and_completes(tmp_path, target_dir):
     assert read_json(train / "step-000001" / "meta.json")["train_s"] > 0
 
 
+def test_budget_verdict_of_a_complete_run():
+    """train.max_minutes is out of the fingerprint: a complete run is done under any budget that
+    would stop it at the same step, continued under one past a budget stop, restarted otherwise."""
+    def verdict(stopped, old_min, spent_s, new_min):
+        m = {"config": {"train": {"max_minutes": old_min}}, "stopped": stopped, "budget": {"train_s": spent_s}}
+        return loop.budget_verdict(m, Recipe(train=TrainConfig(max_minutes=new_min)))[0]
+
+    assert verdict("steps", 0, 600, 0) == verdict("steps", 0, 600, 10) == verdict("steps", 20, 600, 0) == "done"
+    assert verdict("steps", 0, 600, 9) == "restart"  # 9 min < the 10 it took: it would stop sooner
+    assert verdict("budget", 5, 303, 5) == verdict("budget", 5, 303, 5.04) == "done"  # the same stop step
+    assert verdict("budget", 5, 303, 6) == verdict("budget", 5, 303, 0) == "continue"
+    assert verdict("budget", 5, 303, 4) == "restart"
+    assert loop.budget_verdict({"config": {"train": {"max_minutes": 5}}, "stopped": "budget"},
+                               Recipe(train=TrainConfig(max_minutes=6)))[0] == "restart"  # no record of the time spent
+
+
+def test_a_larger_budget_continues_a_budget_stopped_run(tmp_path, target_dir):
+    """Through the pipeline: a run stopped by train.max_minutes continues from its checkpoint when
+    the budget is raised (no retraining from step 0), downstream stages see a new drafter, and a
+    budget it already fits is no reason to rerun."""
+    from draftsmith import pipeline
+    from draftsmith.artifacts import Ledger, load_manifest
+
+    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir, n=40), max_steps=4, max_minutes=1e-9,
+                               save_every=100, heldout_engine_prompts=0)
+    m = pipeline.run_stage("train", recipe)
+    assert m["stopped"] == "budget" and m["counts"]["steps"] == 1
+    first = (run_dir / "train" / "metrics.jsonl").read_text()
+    meta1 = (run_dir / "train" / "step-000001" / "meta.json").read_bytes()  # holds train_s: a retrain would change it
+    eval_fp = pipeline.stage_fingerprint("evaluate", recipe, run_dir)
+    recipe.train.max_minutes = 0.0  # no budget: the rest of the steps
+    m = pipeline.run_stage("train", recipe)
+    assert m["stopped"] == "steps" and m["counts"]["steps"] == 4
+    started = [e for e in Ledger(run_dir).read() if e["event"] == "stage_started"]
+    assert len(started) == 2 and started[-1]["resumed"] is True
+    assert (run_dir / "train" / "metrics.jsonl").read_text().startswith(first)  # step 1 kept, not retrained
+    assert (run_dir / "train" / "step-000001" / "meta.json").read_bytes() == meta1
+    assert pipeline.stage_fingerprint("evaluate", recipe, run_dir) != eval_fp  # evaluate measures the new drafter
+    recipe.train.max_minutes = 1000.0  # finished its steps well within it: skipped
+    assert pipeline.run_stage("train", recipe)["counts"]["steps"] == 4
+    assert Ledger(run_dir).read()[-1]["event"] == "stage_skipped"
+    recipe.train.max_minutes = 1e-9  # it would stop sooner: the stage starts over
+    m = pipeline.run_stage("train", recipe)
+    assert m["stopped"] == "budget" and m["counts"]["steps"] == 1 and load_manifest(run_dir / "train")["status"] == "complete"
+
+
 def test_negative_budgets_are_refused_at_parse_time_and_by_the_stage(tmp_path, target_dir):
     from draftsmith.config import parse_recipe
 

@@ -49,12 +49,38 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+TEMP_FILE_TAG = ".tmp-"
+"""`.NAME.tmp-PID-THREAD`: the file atomic_write_bytes writes before renaming it to NAME."""
+TEMP_DIR_TAG = ".tmp"
+"""`.NAME.tmp`: the folder temp_dir gives, written before replace_dir moves it in as NAME."""
+OLD_DIR_TAG = ".old"
+"""`.NAME.old`: the folder replace_dir moves aside while the new one takes its place."""
+PREVIOUS_DIR_TAG = ".previous"
+"""`.STAGE.previous`: a complete stage output set aside while a new run replaces it (pipeline.previous_dir)."""
+TEMP_TAGS = (TEMP_FILE_TAG, TEMP_DIR_TAG, OLD_DIR_TAG, PREVIOUS_DIR_TAG)
+"""Every tag of a name the code writes beside a file or folder while replacing it (aside_path):
+is_temp_name recognises them all, so a check for leftovers cannot miss one."""
+
+
+def aside_path(path: str | Path, tag: str, suffix: str = "") -> Path:
+    """`.NAME<tag><suffix>` beside `path`: the one way a temp or set-aside name is made (tag: one of TEMP_TAGS)."""
+    if tag not in TEMP_TAGS:
+        raise ValueError(f"{tag!r} is not one of TEMP_TAGS {TEMP_TAGS}")
+    path = Path(path)
+    return path.with_name(f".{path.name}{tag}{suffix}")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for a name aside_path makes: a temp file or folder, or an output set aside."""
+    return name.startswith(".") and any(tag in name[1:] if tag.endswith("-") else name.endswith(tag) for tag in TEMP_TAGS)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes | Sequence[bytes | memoryview]) -> None:
     """Write `data` (bytes, or chunks written one after another) to `path` so that readers see
     either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp = aside_path(path, TEMP_FILE_TAG, f"{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
             for chunk in ((data,) if isinstance(data, (bytes, bytearray, memoryview)) else data):
@@ -71,7 +97,7 @@ def atomic_write_bytes(path: str | Path, data: bytes | Sequence[bytes | memoryvi
 def temp_dir(final: Path, clear: bool = True) -> Path:
     """The folder (`.NAME.tmp`, beside `final`) in which `final` is written before `replace_dir`
     moves it into place; emptied first when `clear` (leave it False on ranks that only share it)."""
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = aside_path(final, TEMP_DIR_TAG)
     if clear:
         shutil.rmtree(tmp, ignore_errors=True)
     return tmp
@@ -86,7 +112,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(Path(root))
-    old = final.with_name(f".{final.name}.old")
+    old = aside_path(final, OLD_DIR_TAG)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
@@ -99,7 +125,7 @@ def remove_temp_files(directory: str | Path, recursive: bool = False) -> None:
     """Delete the temp files (`.NAME.tmp-PID`) that atomic writes killed mid-way left in
     `directory` (and below it when `recursive`). Call it only where no other process is writing."""
     d = Path(directory)
-    for stale in (d.rglob if recursive else d.glob)(".*.tmp-*"):
+    for stale in (d.rglob if recursive else d.glob)(f".*{TEMP_FILE_TAG}*"):
         stale.unlink(missing_ok=True)
 
 
@@ -280,6 +306,14 @@ def load_manifest(directory: str | Path) -> dict | None:
     if not isinstance(m, dict) or "status" not in m or "fingerprint" not in m:
         raise DraftsmithError(f"{p}: not a draftsmith manifest (no status/fingerprint); delete the folder {p.parent} and rerun")
     return m
+
+
+def output_fingerprint(manifest: dict) -> str:
+    """What a downstream stage's fingerprint takes from this complete manifest: its
+    `output_fingerprint` where the stage writes one (train: its fingerprint and the drafter's
+    checksum, as a run continued under a larger train.max_minutes changes the drafter, not the
+    fingerprint), else its fingerprint."""
+    return manifest.get("output_fingerprint") or manifest["fingerprint"]
 
 
 def require_complete(directory: str | Path, what: str) -> dict:

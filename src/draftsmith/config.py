@@ -181,7 +181,9 @@ class TrainConfig:
     """Wall-clock budget of the training loop in minutes, summed over resumed sessions (0 = off).
     At the first step past it training stops cleanly: a held-out evaluation, a checkpoint, the
     drafter, and a complete manifest with `stopped: budget`. The lr schedule cannot know where
-    that falls: it decays over max_steps / max_tokens / epochs, so set one of those near what fits."""
+    that falls: it decays over max_steps / max_tokens / epochs, so set one of those near what fits.
+    Not in the train fingerprint: on a complete stage, a larger budget continues a run it stopped (from
+    its last checkpoint), one the run already fits leaves it complete, a smaller one retrains."""
     batch_tokens: int = 4096
     """Global batch: tokens per optimizer step, over all ranks and micro-batches."""
     micro_batch_tokens: Optional[int] = None
@@ -220,9 +222,10 @@ class TrainConfig:
     grad_clip: float = 0.5
     """Clip the gradient norm to this; 0: no clipping."""
     save_every: int = 100
-    """Checkpoint every N steps (and at the end)."""
+    """Checkpoint every N steps (and at the end). Changing it does not retrain a complete stage."""
     log_every: int = 10
-    """Print a line (and write TensorBoard scalars) every N optimizer steps."""
+    """Print a line (and write TensorBoard scalars) every N optimizer steps. Changing it does not
+    retrain a complete stage."""
     device: str = "auto"
     """auto, cpu, cuda or cuda:N; under torchrun, auto and cuda mean each rank's own GPU."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -247,15 +250,17 @@ class TrainConfig:
     OVERFITTING line in the log when the held-out figure falls while the training figure rises.
     The best drafter by held-out simulated tau is kept in train/best/ and becomes train/drafter/
     (what evaluate and export use); the last step's is train/last/. auto = about 10 evaluations
-    per run; 0 = only at the end."""
+    per run; 0 = only at the end. Changing it retrains: another cadence can pick another best."""
     heldout_engine_prompts: int = 16
     """At the end, the best drafter's tau measured by evaluate's speculative decoding (greedy
     EAGLE-3 chain, depth ttt_steps capped by evaluate.draft_steps, 64 new tokens per prompt, batch
     1) on the first user turn of this many held-out conversations, beside the simulated tau
     (manifest metrics.heldout.engine, `status`). Offline it loads the target as evaluate does;
-    online it reuses the training one. 0 = off."""
+    online it reuses the training one. 0 = off. Changing it does not retrain a complete stage (to
+    measure a complete one, rerun train with --force)."""
     peak_tflops: Optional[float] = None
-    """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table."""
+    """Peak dense TFLOP/s of one device in the compute dtype, for MFU; default from a device table.
+    Changing it does not retrain a complete stage."""
     head_init: Literal["random", "target"] = "target"
     """Initial drafter lm_head: the target's lm_head rows of the draft vocab (the drafter then
     starts by reading its hidden state the way the target reads its own), or random. target won
@@ -273,6 +278,12 @@ class TrainConfig:
     and seed train the same drafter."""
 
 
+SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
+"""The speculative decoders evaluate measures, in the order it runs them (evaluate/measure.py)."""
+EVALUATE_METHODS = (*SPEC_METHODS, "plain")
+"""Every name evaluate.methods takes: the speculative decoders and plain decoding (the reference)."""
+
+
 @dataclass
 class EvaluateConfig:
     """Speculative decoding with the trained drafter, against plain decoding."""
@@ -287,7 +298,7 @@ class EvaluateConfig:
     """Chain length k: tokens drafted per target verification."""
     check_lossless: bool = True
     """Assert that speculative output equals plain greedy output on every prompt."""
-    methods: list[str] = field(default_factory=lambda: ["eagle3_chain", "eagle3_tree", "ngram", "plain"])
+    methods: list[str] = field(default_factory=lambda: list(EVALUATE_METHODS))
     """Decoders to measure: eagle3_chain, eagle3_tree, ngram (prompt lookup, the baseline), plain
     (the reference; always run)."""
     max_turns: int = 2
@@ -389,7 +400,8 @@ def recipe_parser(prog: str, description: str) -> ArgumentParser:
     """The parser of `draftsmith STAGE [RECIPE.yaml] [--section.key value ...]`: every Recipe field is a flag."""
     p = cli_parser(prog, description, exit_on_error=False)
     p.add_argument("--config", action=ActionConfigFile, help="recipe YAML (the first positional path is taken as this)")
-    p.add_argument("--force", type=bool, default=False, help="redo the stage(s) even when complete")
+    p.add_argument("--force", type=bool, nargs="?", const=True, default=False,
+                   help="redo the stage(s) even when complete (a plain flag; `--force true/false` also works)")
     p.add_class_arguments(Recipe, None, fail_untyped=True)
     return p
 
@@ -481,6 +493,15 @@ _LOWEST_MEANS = {"train.max_tokens": "0 = no budget", "train.max_minutes": "0 = 
 """What the lowest value of a limit means, where it is a setting of its own (said in the error)."""
 
 
+def check_methods(methods: list[str], where: str) -> None:
+    """Refuse an evaluate.methods name that is not a decoder evaluate runs (a typo found at parse
+    time, not after training)."""
+    bad = [m for m in methods if m not in EVALUATE_METHODS]
+    if bad:
+        raise DraftsmithError(f"{where}: evaluate.methods {', '.join(map(repr, bad))}: not a method; "
+                              f"choose from {', '.join(EVALUATE_METHODS)}")
+
+
 def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output. With
@@ -506,6 +527,8 @@ def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] =
             raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{said}; fix the value in the recipe")
         if hi is not None and value > hi:
             raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
+    if wanted("evaluate.methods"):
+        check_methods(recipe.evaluate.methods, where)
     if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
         raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
     if wanted("train.micro_batch_tokens") and recipe.train.micro_batch_tokens is not None \
@@ -514,8 +537,14 @@ def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] =
                               f"{recipe.train.batch_tokens}; make the micro-batch at most the batch")
 
 
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")
+"""What may follow `--force` as its value (jsonargparse's bool words); anything else is the next argument."""
+
+
 def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
     """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`; values are checked (check_recipe)."""
+    if argv[:1] == ["--force"] and len(argv) > 1 and not argv[1].startswith("-") and argv[1].lower() not in BOOL_WORDS:
+        argv = [*argv[1:], "--force"]  # `draftsmith run --force RECIPE.yaml`: the flag, then the recipe
     if argv and not argv[0].startswith("-"):
         path = Path(argv[0])
         if not path.exists():

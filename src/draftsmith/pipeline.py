@@ -2,8 +2,11 @@
 done, resume what is half done.
 
 Each stage is a function `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
-covers its own config section, the target, and the fingerprints of the stages it reads;
-a complete manifest with the same fingerprint means the stage is skipped. A stage whose
+covers its own config section (less the keys its table entry lists as unfingerprinted:
+logging cadence, side measurements), the target, and the output fingerprints of the stages it
+reads (artifacts.output_fingerprint); a complete manifest with the same fingerprint means the
+stage is skipped, unless the table entry's `revisit` says the recipe asks for more (train under a
+larger train.max_minutes: it continues from its checkpoint) or for less (it starts over). A stage whose
 manifest says `running` with the same fingerprint resumes from what it listed; one with
 another fingerprint starts over in a clean folder.
 
@@ -23,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import (DraftsmithError, Ledger, RunLock, atomic_write_bytes, atomic_write_text, fingerprint, fingerprint_path,
-                        is_main_rank, load_manifest, log, process_cmdline, process_rank, process_start_time, stage_dir,
-                        to_jsonable)
+from .artifacts import (PREVIOUS_DIR_TAG, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes, atomic_write_text, fingerprint,
+                        fingerprint_path, is_main_rank, load_manifest, log, output_fingerprint, process_cmdline, process_rank,
+                        process_start_time, stage_dir, to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -93,8 +96,12 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     up = {}
     for u in upstream_of(stage, recipe):
         m = load_manifest(stage_dir(run_dir, u))
-        up[u] = m["fingerprint"] if m and m.get("status") == "complete" else None
-    cfg = {s: getattr(recipe, s) for s in sections}
+        up[u] = output_fingerprint(m) if m and m.get("status") == "complete" else None
+    cfg = {s: to_jsonable(getattr(recipe, s)) for s in sections}
+    for key in STAGE_TABLE[stage].unfingerprinted:  # logging and side measurements: not the stage's output
+        section, name = key.split(".")
+        if isinstance(cfg.get(section), dict):
+            cfg[section].pop(name, None)
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
         extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
@@ -112,7 +119,7 @@ def write_recipe(recipe: Recipe, run_dir: Path) -> None:
 
 def previous_dir(out_dir: Path) -> Path:
     """Where a complete stage output waits while a new run of that stage replaces it."""
-    return out_dir.with_name(f".{out_dir.name}.previous")
+    return aside_path(out_dir, PREVIOUS_DIR_TAG)
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -169,17 +176,23 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
             log(f"[{stage}] the complete output set aside in {prev} is for these inputs; put back in place")
             _restore(out_dir, prev, quiet=True)
     m = load_manifest(out_dir)
-    if m is not None and m["status"] == "complete" and m["fingerprint"] == fp and not force:
+    verdict, why = "done", ""
+    same = m is not None and m["status"] == "complete" and m["fingerprint"] == fp and not force
+    if same and STAGE_TABLE[stage].revisit is not None:  # a key left out of the fingerprint that can still matter
+        verdict, why = STAGE_TABLE[stage].revisit(m, recipe)
+    if same and verdict == "done":
         log(f"[{stage}] complete for these inputs; skipped")
         ledger.append("stage_skipped", stage=stage, fingerprint=fp)
         return m
-    if m is not None and (force or m["fingerprint"] != fp) and is_main_rank():
-        log(f"[{stage}] {'--force' if force else 'inputs or config changed'}; starting the stage over")
+    if verdict == "continue":
+        log(f"[{stage}] {why}")
+    if m is not None and (force or m["fingerprint"] != fp or verdict == "restart") and is_main_rank():
+        log(f"[{stage}] {'--force' if force else why or 'inputs or config changed'}; starting the stage over")
         if m["status"] == "complete" and not prev.exists():
             out_dir.rename(prev)  # kept until the new run succeeds
         else:
             shutil.rmtree(out_dir)  # half-done output of other inputs (a complete one, if any, is in prev)
-    resumed = m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force
+    resumed = (m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force) or verdict == "continue"
     pid = os.getpid()
     ledger.append("stage_started", stage=stage, fingerprint=fp, resumed=resumed, pid=pid,
                   pid_start=process_start_time(pid), cmdline=process_cmdline(pid), run_dir=str(run_dir.resolve()))

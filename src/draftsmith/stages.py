@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from . import export, vocab
 from .config import Recipe
@@ -29,6 +29,14 @@ class Stage:
     """Recipe sections its fingerprint covers."""
     upstream: tuple[str, ...]
     """Stages whose output it reads (their fingerprints enter its own)."""
+    unfingerprinted: tuple[str, ...] = ()
+    """Keys of its sections ("train.log_every") left out of its fingerprint: they only change what
+    it logs, saves on the way or measures beside its output, never the output itself, so changing
+    one leaves a complete stage complete (and downstream stages with it)."""
+    revisit: Optional[Callable[[dict, Recipe], tuple[str, str]]] = None
+    """For a key left out that can still matter (train.max_minutes): `revisit(manifest, recipe)` of a
+    complete output with the same fingerprint -> (verdict, why): "done" (skip it), "continue" (run
+    the stage on it: it resumes from what it saved) or "restart" (start over, as for other inputs)."""
 
 
 STAGE_TABLE: dict[str, Stage] = {
@@ -38,7 +46,7 @@ STAGE_TABLE: dict[str, Stage] = {
     "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate")),
     "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
     "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
-                   ("capture", "vocab")),
+                   ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict),
     "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
                       ("train",)),
     "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),

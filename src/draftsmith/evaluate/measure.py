@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ..artifacts import DraftsmithError
+from ..config import SPEC_METHODS, check_methods as check_method_names
 from ..speculate.eagle3 import Eagle3Proposer, FastDraft
 from ..speculate.engine import generate
 from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
@@ -18,7 +19,6 @@ from ..speculate.ngram import NgramProposer
 from ..speculate.proposer import PerSequence
 from ..speculate.verify import plain_generate, plain_generate_batch
 
-SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
 # Relative top-1 vs chosen-token logit gap below which a divergence counts as a rounding tie:
 # a verify forward over k+1 rows may round differently from single-row forwards, and in 16-bit
 # dtypes the difference grows through the layers. bf16: on the H200 the 12-layer MoE reference
@@ -32,10 +32,9 @@ TIE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.02}
 
 
 def check_methods(cfg, where: str) -> list[str]:
-    """Methods in a fixed order; plain is the reference and always runs. (Counts and sizes: config.check_recipe.)"""
-    bad = [m for m in cfg.methods if m not in (*SPEC_METHODS, "plain")]
-    if bad:
-        raise DraftsmithError(f"{where}: evaluate.methods {bad} unknown; choose from {[*SPEC_METHODS, 'plain']}")
+    """Methods in a fixed order; plain is the reference and always runs. The names are checked at
+    parse time too (config.check_recipe); again here for a Recipe built in code."""
+    check_method_names(cfg.methods, where)
     return [m for m in SPEC_METHODS if m in cfg.methods]
 
 

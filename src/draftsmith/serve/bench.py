@@ -19,6 +19,7 @@ client talks only to the configured URLs (no proxies from the environment).
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 from jsonargparse import ActionConfigFile
 from tqdm import tqdm
 
-from ..artifacts import DraftsmithError, Ledger, atomic_write_json, package_versions, to_jsonable
+from ..artifacts import DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, package_versions, to_jsonable
 from ..config import cli_parser
 from ..data.readers import load_prompts
 from .metrics import parse_prometheus, spec_window
@@ -484,11 +485,10 @@ def plot(res: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def ledger_summary(res: dict) -> dict:

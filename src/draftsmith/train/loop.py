@@ -60,9 +60,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, load_manifest,
-                         log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, sha256_file, stage_dir, temp_dir,
-                         to_jsonable, token_stage, verify_shards, write_manifest)
+from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, fingerprint,
+                         load_manifest, log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, sha256_file,
+                         stage_dir, temp_dir, to_jsonable, token_stage, verify_shards, write_manifest)
 from ..config import Recipe, check_recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
@@ -76,7 +76,7 @@ from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .flops import peak_flops, train_flops_per_token
-from .heldout import (best_of, conversation_keys, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record, overfitting,
+from .heldout import (conversation_keys, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record, overfitting,
                       plot_learning_curve, split_by_conversation)
 from .ttt import TTTLoss, position_weights, simulated_tau
 
@@ -85,6 +85,42 @@ ADAM_BETAS = (0.9, 0.95)
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 CURVE_FILE = "learning_curve.png"
+UNFINGERPRINTED = ("train.log_every", "train.save_every", "train.heldout_engine_prompts", "train.peak_tflops", "train.max_minutes")
+"""train.* keys that never change the trained drafter, left out of the stage's fingerprint
+(stages.Stage.unfingerprinted): changing one leaves a complete train stage complete. They set what
+is logged (log_every, also the window of the logged figures), how often a checkpoint is saved
+(a resume reproduces the same steps from any of them), a measurement beside the drafter
+(heldout_engine_prompts: to measure it on a complete stage, rerun with --force) and the peak
+the MFU figure divides by. max_minutes is a wall-clock budget: whether another one changes the
+drafter depends on where the complete run stopped, which budget_verdict decides. eval_every stays
+in: train/drafter is the best drafter by held-out tau among the steps evaluated, so another
+cadence can pick another drafter."""
+
+
+def budget_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
+    """(verdict, why) for a complete train output whose fingerprint matches `recipe` (which leaves
+    train.max_minutes out), under the recipe's max_minutes: "done" when a run under it would stop
+    at the same step (a run that finished its steps within it; a budget stop that it would also
+    make), "continue" when a budget stopped the run and the new one is larger than the time spent
+    (the stage resumes from its last checkpoint), "restart" when it would stop sooner."""
+    new_s = 60.0 * float(recipe.train.max_minutes)
+    old_s = 60.0 * float(((manifest.get("config") or {}).get("train") or {}).get("max_minutes", 0.0))
+    if new_s == old_s:
+        return "done", ""
+    spent = (manifest.get("budget") or {}).get("train_s")
+    if spent is None:  # no record of the time spent
+        return "restart", f"train.max_minutes changed from {old_s / 60:g} to {new_s / 60:g}"
+    spent_txt = f"{spent / 60:.2f} min spent"
+    if manifest.get("stopped") == "budget":
+        if not new_s or new_s > spent:
+            return "continue", (f"train.max_minutes {new_s / 60:g} is past the {old_s / 60:g} min budget that stopped it "
+                                f"({spent_txt}): continuing from its last checkpoint")
+        if new_s > old_s:
+            return "done", ""
+        return "restart", f"train.max_minutes {new_s / 60:g} < the {old_s / 60:g} min budget it stopped at: it would stop sooner"
+    if not new_s or new_s >= spent:
+        return "done", ""
+    return "restart", f"train.max_minutes {new_s / 60:g} is less than the {spent_txt} it took: it would stop sooner"
 
 
 def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_ratio: float, schedule: str = "cosine") -> float:
@@ -719,6 +755,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         manifest.pop("last", None)
         shutil.rmtree(out_dir / "last", ignore_errors=True)
     w = _window_metrics(window, k)
+    manifest["output_fingerprint"] = fingerprint(fp, sha)  # downstream reruns when a continued run changed the drafter
     manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg),
                            "from": f"best held-out simulated tau (step {best_rec['step']})" if best_rec else f"last step ({step})"}
     manifest["device"], manifest["compute_dtype"] = device.type, str(compute_dtype).replace("torch.", "")
