@@ -5,9 +5,10 @@ target shaped like the reference one (DeepSeek-V3 architecture, 12 layers by def
 experts on `batched_mm`, the kernel the graphed path switches a float32 MoE to) and a random
 drafter, under torch.profiler, and counts per round and per phase (resident.py's `phase` labels):
 
-    ops      top-level aten ops the round's Python issues in that phase
-    kernels  leaf aten ops, views and allocations left out: on a GPU each is about one kernel, one
-             node of the round's CUDA graph, a few microseconds even inside the graph
+    ops      top-level ops the round's Python issues in that phase (a compiled part: one)
+    kernels  leaf aten ops, views, allocations and no-op casts left out, and inductor's fused
+             kernels: on a GPU each is about one kernel, one node of the round's CUDA graph, a few
+             microseconds even inside the graph
 
 The round's own logic is everything except `verify` (the target's forward) and `expand` (the
 drafter steps); `drafter_feed` holds one drafter forward besides its bookkeeping.
@@ -33,7 +34,6 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
-from draftsmith.speculate import resident  # noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer, FastDraft  # noqa: E402
 from draftsmith.speculate.engine import generate  # noqa: E402
 from draftsmith.speculate.fast import FastTarget  # noqa: E402
@@ -69,8 +69,13 @@ def phase_of(e) -> str:
     return "other"
 
 
+def is_fused(e) -> bool:
+    """An inductor kernel: `graph_0_cpp_fused_...` on a CPU (with cpp.enable_kernel_profile), `triton_...` on a GPU."""
+    return "cpp_fused" in e.name or e.name.startswith("triton_")
+
+
 def is_op(e) -> bool:
-    return e.name.startswith(("aten::", "inductor", "triton", "Torch-Compiled", "CompiledFunction"))
+    return e.name.startswith(("aten::", "Torch-Compiled", "## Call CompiledFxGraph")) or is_fused(e)
 
 
 def count(events, rounds: int, top: int = 5) -> dict:
@@ -90,7 +95,9 @@ def count(events, rounds: int, top: int = 5) -> dict:
         parent = e.cpu_parent
         if parent is None or not is_op(parent):
             ops[ph] += 1
-        if e.name.startswith("aten::") and e.name not in NOT_KERNELS and not kernel_below(e):
+        if is_fused(e):
+            kernels[ph]["inductor kernel"] += 1
+        elif e.name.startswith("aten::") and e.name not in NOT_KERNELS and not kernel_below(e):
             kernels[ph][e.name] += 1
     out = {}
     for ph in PHASES + ("other",):
@@ -117,6 +124,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    if a.compile_round == "on":  # each inductor kernel as a profiler event (CPU: C++ kernels, none otherwise)
+        torch._inductor.config.cpp.enable_kernel_profile = True
     target = load_target(make_model_dir(tempfile.mkdtemp(), arch=a.arch, num_layers=a.layers), device="cpu",
                          dtype="float32")
     if hasattr(target.model, "set_experts_implementation") and getattr(
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
             prop = Eagle3Proposer(drafter, topk=topk, budget=budget, fast=fd)
             kw = {"compile_round": True} if a.compile_round == "on" else {}
             return generate(target, prop, prompts, n, depth=depth, fast=ft, resident=True, **kw)
-        run(8)  # warm-up (and compilation)
+        run(a.max_new_tokens)  # warm-up (and compilation)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             run(a.max_new_tokens)
         events = prof.events()

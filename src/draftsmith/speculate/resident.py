@@ -49,16 +49,18 @@ def eligible(fast, proposer, temperature: float) -> bool:
 # ----------------------------------------------------------------------------- the round's parts
 # Pure tensor functions of the round (no model, no cache): eager by default, each compiled by
 # inductor under `compile_round` (torch.compile fuses their many tiny kernels; inside the round's CUDA
-# graph each kernel still costs a few microseconds). Python ints among the arguments are constants.
+# graph each kernel still costs a few microseconds). Python ints among the arguments are constants
+# (a compiled part is specialized to them); what varies between runs of one shape (max_new, the
+# spare cache column) comes in as 0-d tensors.
 
 
-def choose(scores, parents, toks, last, n_gen, active, depth_c, max_new: int, D: int, M: int, N: int):
+def choose(scores, parents, toks, last, n_gen, active, depth_c, max_new, D: int, M: int, N: int):
     """select: each sequence's M best candidates by cumulative log-prob within its depth limit (stable
     sort: ties go to the earlier candidate, as the host's sort does, so the set is closed under
     ancestors), in creation order, as verify rows: 0 = root (the last committed token), 1..M = the
     nodes, then padding. Returns (ids, depth, parent row (self where none), row valid) [B, N]."""
     B, n_cand = scores.shape
-    max_depth = torch.where(active, (max_new - n_gen - 1).clamp(0, D), 0)
+    max_depth = torch.where(active, (max_new - n_gen - 1).clamp(0, D), 0)  # max_new: a 0-d tensor
     ok = depth_c[None] <= max_depth[:, None]
     best = torch.sort(torch.where(ok, scores, float("-inf")), dim=1, descending=True, stable=True).indices[:, :M]
     cand = torch.where(ok.gather(1, best), best, n_cand).sort(dim=1).values      # [B, M], n_cand = no node
@@ -110,7 +112,7 @@ def accept(logits, ids, prow, row_valid, anc, eos, T: int):
     return n_acc, path, committed, n_emit, hit
 
 
-def commit(st: dict, active, n_acc, path, committed, n_emit, hit, row_valid, depth, past, max_new: int, spare: int):
+def commit(st: dict, active, n_acc, path, committed, n_emit, hit, row_valid, depth, past, spare):
     """Emitted tokens into the output buffer, per-round counts into the stats buffers, the committed
     length and last token, `done` (active sequences only; scratch columns take the rest). Returns the
     target cache's column moves (src, dst: root + path rows behind each sequence's committed rows,
@@ -132,7 +134,7 @@ def commit(st: dict, active, n_acc, path, committed, n_emit, hit, row_valid, dep
     st["drafted"] += reached.long()
     st["reached"] += (reached & (lvl <= n_acc[:, None])).long()
     st["accepted"] += (reached & (lvl < n_acc[:, None])).long()
-    now_done = st["done"] | (active & (hit | (st["n_gen"] >= max_new)))
+    now_done = st["done"] | (active & (hit | (st["n_gen"] >= st["max_new"])))
     src = torch.where(in_path, past + path, spare).reshape(-1)
     dst = torch.where(in_path, st["t_end"][:, None] + steps, spare).reshape(-1)
     n_com = n_acc + 1
@@ -204,10 +206,11 @@ class Resident:
             "r_emitted": Z(B, self.R), "drafted": Z(B, depth), "reached": Z(B, depth), "accepted": Z(B, depth),
             "d_start": Z(B), "d_end": Z(B), "d_rows": Z(B),
             "g_last": torch.zeros(B, d.cfg.hidden_size, dtype=d.fc.weight.dtype, device=dev),
-            "eos": h2d(list(eos_ids) or [-1], dev, L),
+            "eos": h2d(list(eos_ids) or [-1], dev, L), "max_new": h2d(max_new, dev, L),
         }
         self.depth_c = h2d([1] * self.K + [dd for dd in range(2, depth + 1) for _ in range(self.K * self.K)], dev, L)
         self.d_cols = torch.arange(prop.cache.size, device=dev)
+        self.spare = h2d(ft.S - 1, dev, L)  # the target cache's scratch column
         self.parts = round_parts(compile_round)
         self.b_idx = torch.arange(B, device=dev).repeat_interleave(self.T)
         self.caches = self.current_caches()  # held: a graph replays into these very buffers
@@ -230,7 +233,7 @@ class Resident:
                                                     st["g_last"], st["d_rows"])
         with phase("select"):
             ids, depth_r, prow, row_valid = f.choose(scores, parents, toks, st["last"], st["n_gen"], active,
-                                                     self.depth_c, self.max_new, self.D, self.M, self.N)
+                                                     self.depth_c, st["max_new"], self.D, self.M, self.N)
         with phase("masks"):
             anc = f.ancestry(prow, row_valid, self.D)
         with phase("verify"):
@@ -241,7 +244,7 @@ class Resident:
             n_acc, path, committed, n_emit, hit = f.accept(logits, ids, prow, row_valid, anc, st["eos"], self.T)
         with phase("commit"):
             src, dst, n_feed = f.commit(st, active, n_acc, path, committed, n_emit, hit, row_valid, depth_r, past,
-                                        self.max_new, ft.S - 1)
+                                        self.spare)
         with phase("cache_moves"):
             ft.move_columns(self.b_idx, src, dst)
         with phase("drafter_feed"):
