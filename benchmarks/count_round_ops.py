@@ -10,8 +10,8 @@ drafter, under torch.profiler, and counts per round and per phase (resident.py's
              kernels: on a GPU each is about one kernel, one node of the round's CUDA graph, a few
              microseconds even inside the graph
 
-The round's own logic is everything except `verify` (the target's forward) and `expand` (the
-drafter steps); `drafter_feed` holds one drafter forward besides its bookkeeping.
+The round's own logic is everything except `verify` (the target's forward with its mask), `expand`
+(the drafter steps) and `feed_forward` (the drafter's forward over the committed rows).
 
     python benchmarks/count_round_ops.py                          # chain k=5 and tree 4/16 depth 5, batch 1
     python benchmarks/count_round_ops.py --batch 4 --arch llama
@@ -43,9 +43,9 @@ from test_engine import make_drafter  # noqa: E402
 
 SHAPES = {"chain": (1, 5, 5), "tree": (4, 16, 5)}
 """(topk, budget, depth): the chain k=5 and the tree (top-k 4, 16 nodes, depth 5) the H200 recipe evaluates."""
-PHASES = ("select", "masks", "verify", "accept", "commit", "cache_moves", "drafter_feed", "expand")
+PHASES = ("select", "masks", "verify", "accept", "commit", "cache_moves", "drafter_feed", "feed_forward", "expand")
 OWN = ("select", "masks", "accept", "commit", "cache_moves", "drafter_feed")
-"""The round's own logic (drafter_feed includes one drafter forward)."""
+"""The round's own logic: every phase but the model forwards (expand's drafter steps, verify, feed_forward)."""
 NOT_KERNELS = {"aten::select", "aten::unsqueeze", "aten::expand", "aten::transpose", "aten::slice", "aten::view",
                "aten::reshape", "aten::as_strided", "aten::alias", "aten::lift_fresh", "aten::detach", "aten::t",
                "aten::permute", "aten::squeeze", "aten::_unsafe_view", "aten::empty", "aten::empty_strided",

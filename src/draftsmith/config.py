@@ -326,10 +326,11 @@ class EvaluateConfig:
     compile_round: Literal["auto", "on", "off"] = "auto"
     """Resident rounds only: torch.compile (inductor, fullgraph, static shapes) the round's pure tensor
     parts (tree selection and masks, acceptance, the bookkeeping of the commit and the drafter's feed),
-    fusing their ~170 small kernels into ~10 inside the round's CUDA graph (CPU op counts:
-    benchmarks/count_round_ops.py). Compiling costs seconds per round shape (batch size, tree). auto =
-    off until an H200 measurement shows the gain (`bench_resident.py --compile_round`); on = compile
-    (a CPU too); off = eager parts. Same outputs and statistics either way (tests)."""
+    fusing their small kernels inside the round's CUDA graph (CPU count, 12-layer reference-shaped
+    chain round: 167 -> 24 kernels; benchmarks/count_round_ops.py). Compiling costs seconds per round
+    shape (batch size, tree, max_new_tokens). auto = off until an H200 measurement shows the gain
+    (`bench_resident.py --compile_round`); on = compile (a CPU too); off = eager parts. Same outputs
+    and statistics either way (tests)."""
 
 
 @dataclass
