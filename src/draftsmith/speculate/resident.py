@@ -72,7 +72,7 @@ def choose(scores, parents, toks, last, n_gen, active, depth_c, max_new, D: int,
     valid = cand < n_cand
     c = cand.clamp(max=n_cand - 1)
     rows = torch.arange(N, device=c.device)
-    node_row = torch.zeros(B, n_cand + 1, dtype=torch.long, device=c.device).scatter(1, cand, rows[1:1 + M].expand(B, M))
+    node_row = c.new_zeros(B, n_cand + 1).scatter(1, cand, rows[1:1 + M].expand(B, M))    # candidate -> its row
     pc = parents.gather(1, c)
     parent_row = torch.where(pc >= 0, node_row.gather(1, pc.clamp(min=0)), 0)    # the root's children: 0
     pad = N - 1 - M
