@@ -141,3 +141,4 @@ def test_compiled_round_equals_host_loop(target, plains, mode):
     assert len({s.rounds for s in res_st}) > 1  # the sequences finished apart
     (res_state,) = fd.resident.values()
     assert all(hasattr(getattr(res_state.parts, f.__name__), "_torchdynamo_orig_callable") for f in PARTS)  # compiled
+    assert mode == "static" or res_state.graph not in (None, False)  # graphs: the compiled round was captured
