@@ -6,6 +6,8 @@ alike; outputs are compared with plain decoding (greedy).
     python benchmarks/bench_resident.py RECIPE.yaml --out bench_resident.json       # the GPU figures
     python benchmarks/bench_resident.py recipes/quickstart.yaml --num_prompts 2 --max_new_tokens 24 \
         --batch_sizes 1 2 --fast static                                            # CPU check
+    python benchmarks/bench_resident.py RECIPE.yaml --compile_round --out x.json     # + resident rounds with
+                                                 # evaluate.compile_round: on (a third loop, same process)
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from draftsmith.evaluate.measure import DecodeRunners, evaluate_batch, run_metho
 from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
 from draftsmith.target.model import eos_token_ids  # noqa: E402
 
-LOOPS = {"host": False, "resident": True}
+LOOPS = {"host": (False, "off"), "resident": (True, "off")}
+"""name -> (evaluate.resident, evaluate.compile_round); --compile_round adds resident_compiled."""
 
 
 def main(argv=None) -> int:
@@ -41,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--methods", nargs="+", default=["eagle3_chain", "eagle3_tree"])
     ap.add_argument("--fast", default=None, help="override evaluate.fast")
+    ap.add_argument("--compile_round", action="store_true",
+                    help="also resident rounds with evaluate.compile_round: on (the round's pure parts compiled), same process")
     a = ap.parse_args(argv)
     recipe, _ = parse_recipe([a.recipe])
     cfg = replace(recipe.evaluate, max_new_tokens=a.max_new_tokens, temperature=0.0)
@@ -53,18 +58,18 @@ def main(argv=None) -> int:
     prompts = [render_prompt(target.tokenizer, p.turns[0], f"{bench}: {p.id}") for p in load_prompts(bench, a.num_prompts)]
     print(f"[bench_resident] path {runners.mode}, {len(prompts)} prompts of {bench}, {a.max_new_tokens} new tokens", flush=True)
     t0 = time.perf_counter()
-    cfgs = {name: replace(cfg, resident=flag) for name, flag in LOOPS.items()}
-    for B in a.batch_sizes:  # warm-up: graphs captured for every shape, both loops
+    loops = dict(LOOPS, **({"resident_compiled": (True, "on")} if a.compile_round else {}))
+    cfgs = {name: replace(cfg, resident=flag, compile_round=cr) for name, (flag, cr) in loops.items()}
+    for B in a.batch_sizes:  # warm-up at the measured length: graphs captured (and round parts compiled), every loop
         for c in cfgs.values():
-            evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, replace(c, max_new_tokens=16), a.methods, eos, 0,
-                              runners=runners)
+            evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, c, a.methods, eos, 0, runners=runners)
     result = {"recipe": a.recipe, "path": runners.mode, "max_new_tokens": a.max_new_tokens, "num_prompts": len(prompts),
               "device": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "batches": {}}
     for B in a.batch_sizes:
         acc = {"plain_s": 0.0, "plain_tokens": 0}
         per = {(m, n): {"spec_s": 0.0, "rounds": 0, "emitted": 0, "identical": 0, "sequences": 0}
-               for m in a.methods for n in LOOPS}
+               for m in a.methods for n in loops}
         for j in range(0, len(prompts) - B + 1, B):
             chunk = prompts[j:j + B]
             plain, plain_s = run_plain(target, chunk, cfg, eos, None, runners)

@@ -18,7 +18,8 @@
 # round's time goes) -> bigtree (evaluate a wider tree: TREE_DEPTH/TREE_TOPK/TREE_BUDGET) -> capture (capture / forward throughput) -> fp8 (the pipeline on fp8 captures)
 # -> train (drafter training MFU at fixed shapes, then the Kimi-shaped probe) -> kimi (the probe alone)
 # -> trainreal (per width in TRAIN_WIDTHS: wide_target.py + prepare/capture/vocab, then bench_train.py --capture:
-# drafter training tokens/s and MFU on that capture, eager then with train.compile's default) -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process)
+# drafter training tokens/s and MFU on that capture, eager then with train.compile's default) -> gputests (pytest -m gpu) -> resident (bench_resident.py: resident rounds vs the host loop, one process;
+# RESIDENT_ARGS=--compile_round adds resident rounds with evaluate.compile_round: on, docs/fast-paths.md)
 # -> residenttests (test_resident.py and test_fast.py, graphs included) -> write (bench_write.py: shard
 # write throughput on this host's disk) -> engine (bench_engine.py: speedup ÷ τ with τ fixed by an oracle on an
 # 8B-shaped random-weight target and an H 4096 drafter, batch 1/4/16, chain and tree, host and resident loops;

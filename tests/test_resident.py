@@ -14,6 +14,7 @@ from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget
+from draftsmith.speculate.resident import PARTS
 
 from test_engine import PROMPTS, make_drafter
 from test_fast import fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
@@ -115,3 +116,29 @@ def test_resident_with_a_real_drafter_equals_plain(target, plains, fitted, mode)
             assert [_times_off(s) for s in a[1]] == [_times_off(s) for s in b[1]]
             accepted += [x for s in b[1] for x in s.accepted_per_round]
     assert max(accepted) >= 2 and sum(accepted) >= len(accepted) // 2, accepted
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_round_equals_host_loop(target, plains, mode):
+    """compile_round: the round's pure parts compiled by inductor (on a CPU too) give the host loop's
+    tokens and every per-round statistic, bit for bit. One shape (compiling takes tens of seconds on
+    a CPU), the DeepSeek-V3 target: a batch whose sequences finish apart, one at EOS."""
+    if target.model.config.model_type != "deepseek_v3":
+        pytest.skip("one target is enough here: compiling the round's parts dominates this test's time")
+    ft = FastTarget(target, mode)
+    drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
+    fd = FastDraft(drafter, graphs=mode != "static")
+    batch, topk, budget, depth = [0, 1, 2, 3], 2, 6, 3
+    eos = plains[2][7]
+    prompts, seqs = [PROMPTS[i] for i in batch], [PROMPTS[i] + plains[i] for i in batch]
+    runs = [generate(target, OracleEagle(drafter, seqs, target.vocab_size, topk=topk, budget=budget, fast=fd), prompts,
+                     24, depth=depth, eos_ids=(eos,), fast=ft, resident=r, compile_round=r) for r in (False, True)]
+    (host, host_st), (res, res_st) = runs
+    cut = [plains[i][:24] for i in batch]
+    assert res == host == [c[:c.index(eos) + 1] if eos in c else c for c in cut]
+    assert [_times_off(s) for s in res_st] == [_times_off(s) for s in host_st]
+    assert set(a for s in res_st for a in s.accepted_per_round) == set(range(depth + 1))
+    assert len({s.rounds for s in res_st}) > 1  # the sequences finished apart
+    (res_state,) = fd.resident.values()
+    assert all(hasattr(getattr(res_state.parts, f.__name__), "_torchdynamo_orig_callable") for f in PARTS)  # compiled
+    assert mode == "static" or res_state.graph not in (None, False)  # graphs: the compiled round was captured

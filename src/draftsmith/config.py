@@ -334,6 +334,14 @@ class EvaluateConfig:
     round. Sampling (temperature > 0), eager decoding and other proposers always take the host loop
     (docs/fast-paths.md says why). false: the host loop for everything, which reads drafts and the
     target's argmax back every round. Same outputs and statistics either way (tests)."""
+    compile_round: Literal["auto", "on", "off"] = "auto"
+    """Resident rounds only: torch.compile (inductor, fullgraph, static shapes) the round's pure tensor
+    parts (tree selection and masks, acceptance, the bookkeeping of the commit and the drafter's feed),
+    fusing their small kernels inside the round's CUDA graph (CPU count, 12-layer reference-shaped
+    chain round: 167 -> 24 kernels; benchmarks/count_round_ops.py). Compiling costs seconds per round
+    shape (batch size, tree, max_new_tokens). auto = off until an H200 measurement shows the gain
+    (`bench_resident.py --compile_round`); on = compile (a CPU too); off = eager parts. Same outputs
+    and statistics either way (tests)."""
 
 
 @dataclass

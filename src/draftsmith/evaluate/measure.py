@@ -123,7 +123,8 @@ def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_
     prop = make_proposer(method, drafter, cfg, len(prompts), generator, runners)
     (new, stats), s = timed(target, lambda: generate(target, prop, prompts, max_new_tokens or cfg.max_new_tokens,
                                                       method_depth(cfg, method), eos_ids, cfg.temperature, generator,
-                                                      fast=runners.get(len(prompts))[0], resident=cfg.resident))
+                                                      fast=runners.get(len(prompts))[0], resident=cfg.resident,
+                                                      compile_round=cfg.compile_round == "on"))
     return new, stats, s
 
 

@@ -6,6 +6,7 @@
     crop_cache, move_rows  keep/move columns of a transformers cache, a drafter cache or a static one
     capture, Graphed       CUDA-graph capture of a function, and replay per input shape
     StaticDraftCache       the drafter's preallocated KV cache (graphed drafting steps write into it)
+    stack_layers           a static cache's per-layer key/value tensors as views of one tensor each
 """
 from __future__ import annotations
 
@@ -58,10 +59,32 @@ def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dic
 
 
 def copy_columns(tensors: Sequence[torch.Tensor], b, src, dst) -> None:
-    """KV-cache columns src -> dst of batch rows b (index tensors of one length), in every [B, heads,
-    S, d] tensor; all sources are read before any is written. Graph-safe with device indices."""
+    """KV-cache columns src -> dst of batch rows b (index tensors of one length), in every [..., B,
+    heads, S, d] tensor (leading dims: layers stacked into one tensor move in one gather and one
+    scatter); all sources are read before any is written. Graph-safe with device indices."""
     for t in tensors:
-        t[b, :, dst] = t[b, :, src]
+        t[..., b, :, dst, :] = t[..., b, :, src, :]
+
+
+def stack_layers(layers: Sequence[Any]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Make the initialized key and value tensors of a static cache's layers views of two stacked
+    tensors [layers, B, heads, S, d] (their contents copied), so that moving columns in every layer is
+    one gather and one scatter per stack instead of two per layer and tensor. Returns the stacks, or
+    None (nothing changed) when the layers differ in shape or dtype. While the stacks are filled the
+    old tensors are still held: the KV cache's memory, twice, for a moment."""
+    if not all(getattr(layer, "is_initialized", False) for layer in layers):
+        return None
+    stacks = []
+    for name in ("keys", "values"):
+        ts = [getattr(layer, name) for layer in layers]
+        if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype or t.device != ts[0].device for t in ts):
+            return None
+        stacks.append(torch.stack(ts))
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = stacks[0][i], stacks[1][i]
+        torch._dynamo.mark_static_address(layer.keys)  # as transformers marks its own (compiled forwards)
+        torch._dynamo.mark_static_address(layer.values)
+    return stacks[0], stacks[1]
 
 
 class Graphed:
@@ -119,8 +142,10 @@ def crop_cache(cache: Any, length: int) -> None:
 
 
 def cache_tensors(cache: Any) -> list[tuple[Any, str]]:
-    """(holder, attribute) of every key/value tensor [B, heads, S, d] of a cache."""
-    if isinstance(cache, DraftKVCache) or getattr(cache, "static", False):
+    """(holder, attribute) of every key/value tensor [..., B, heads, S, d] of a cache."""
+    if isinstance(cache, StaticDraftCache):
+        return [(cache, "kv")]
+    if isinstance(cache, DraftKVCache):
         return [(cache, "k"), (cache, "v")]
     layers = getattr(cache, "layers", None)
     if layers is None or any(getattr(layer, "sliding_window", None) for layer in layers):
@@ -156,9 +181,8 @@ class StaticDraftCache:
     static = True
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device):
-        shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]  # views of one buffer: a column move is one copy of both
         self.write_at = torch.zeros((), dtype=torch.long, device=device)
         self.length = 0
 

@@ -61,16 +61,17 @@ __all__ = ["generate", "speculative_generate"]  # the rest lives where it is def
 def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[list[int]], max_new_tokens: int,
              depth: int = 5, eos_ids: Sequence[int] = (), temperature: float = 0.0,
              generator: Optional[torch.Generator] = None,
-             fast: Optional[FastTarget] = None, resident: bool = False) -> tuple[list[list[int]], list[SpecStats]]:
+             fast: Optional[FastTarget] = None, resident: bool = False,
+             compile_round: bool = False) -> tuple[list[list[int]], list[SpecStats]]:
     """Speculative decoding of a batch. Trees deeper than `depth` are cut. Greedy output equals
     plain greedy decoding; sampled output has the target's distribution. Returns per sequence
     the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide).
     `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
     ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`).
-    With `resident`, greedy EAGLE-3 on the fast path runs its rounds on the device (resident.py);
-    this host loop runs everything else."""
+    With `resident`, greedy EAGLE-3 on the fast path runs its rounds on the device (resident.py;
+    `compile_round` compiles the round's pure parts there); this host loop runs everything else."""
     if resident and eligible(fast, proposer, temperature):
-        return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast)
+        return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast, compile_round)
     B, dev = len(prompts), target.device
     runner = fast if fast is not None else EagerVerifier(target)
     n_rows = 1 + (getattr(proposer, "max_nodes", depth) if proposer is not None else 0)

@@ -25,7 +25,7 @@ import torch
 
 from ..artifacts import DraftsmithError, log
 from ..target.model import Target, TargetOutput
-from .cache import Graphed, additive, capture, copy_columns, h2d
+from .cache import Graphed, additive, capture, copy_columns, h2d, stack_layers
 from .tree import device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
@@ -163,6 +163,7 @@ class FastTarget:
         self.keep_g = Graphed(self.move_columns, self.graphs)
         self.plain_graph = None
         self.past = 0
+        self.stacked: Optional[tuple] = None  # the layers' keys and values stacked (stack_layers), after a prefill
 
     # -- the forwards -------------------------------------------------------------------
 
@@ -183,7 +184,8 @@ class FastTarget:
 
     def move_columns(self, b, src, dst):
         """Cache columns src -> dst of batch rows b in every layer (device index tensors; graph-safe)."""
-        copy_columns([t for layer in self.cache.layers for t in (layer.keys, layer.values)], b, src, dst)
+        tensors = self.stacked or [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        copy_columns(tensors, b, src, dst)
         return ()
 
     # -- the engine's interface ---------------------------------------------------------
@@ -196,6 +198,8 @@ class FastTarget:
         mask = torch.zeros(B, P, self.S, dtype=torch.bool, device=ids.device)
         mask[:, :, :P] = prefill_mask(pad, P)
         logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
+        if self.stacked is None:  # the layers' tensors exist now (transformers allocates them in the first forward)
+            self.stacked = stack_layers(self.cache.layers) or ()
         self.past = P
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final)
 

@@ -16,6 +16,11 @@ syncs and a few milliseconds of Python per round, during which the GPU idles (pr
                buffers; the target's cache rows of the root and path moved behind each
                sequence's committed rows; the drafter fed those rows (as Eagle3Proposer._feed)
 
+Each step but expand and verify is a pure tensor function below (choose, ancestry, accept, commit,
+feed_inputs, feed_finish), labelled with its phase for torch.profiler (benchmarks/count_round_ops.py
+counts the ops of each); with `compile_round` inductor compiles each of them, so their small
+kernels (167 in a 12-layer reference-shaped chain round on a CPU) become a few fused ones (24).
+
 Sequences that finished only ride along (every update is masked). With CUDA graphs the host
 replays one graph per round and reads one flag per round, a round late, so the GPU always has
 the next round queued; the round after the last is a masked no-op. The host loop stays the path
@@ -23,7 +28,9 @@ for sampling, eager decoding and proposers other than EAGLE-3; outputs are the s
 """
 from __future__ import annotations
 
+import math
 import time
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -35,6 +42,8 @@ from .fast import FastTarget
 from .tree import SpecStats, device_tree_mask, left_pad
 from .verify import rows_of
 
+phase = torch.profiler.record_function  # labels a round's phases for benchmarks/count_round_ops.py (no-op unprofiled)
+
 
 def eligible(fast, proposer, temperature: float) -> bool:
     """The resident path runs greedy EAGLE-3 proposals on a FastTarget with a FastDraft."""
@@ -42,11 +51,150 @@ def eligible(fast, proposer, temperature: float) -> bool:
             and proposer.fast is not None)
 
 
+# ----------------------------------------------------------------------------- the round's parts
+# Pure tensor functions of the round (no model, no cache): eager by default, each compiled by
+# inductor under `compile_round` (torch.compile fuses their many tiny kernels; inside the round's CUDA
+# graph each kernel still costs a few microseconds). Python ints among the arguments are constants
+# (a compiled part is specialized to them); what varies between runs of one shape (max_new, the
+# spare cache column) comes in as 0-d tensors.
+
+
+def choose(scores, parents, toks, last, n_gen, active, depth_c, max_new, D: int, M: int, N: int):
+    """select: each sequence's M best candidates by cumulative log-prob within its depth limit (stable
+    sort: ties go to the earlier candidate, as the host's sort does, so the set is closed under
+    ancestors), in creation order, as verify rows: 0 = root (the last committed token), 1..M = the
+    nodes, then padding. Returns (ids, depth, parent row (self where none), row valid) [B, N]."""
+    B, n_cand = scores.shape
+    max_depth = torch.where(active, (max_new - n_gen - 1).clamp(0, D), 0)  # max_new: a 0-d tensor
+    ok = depth_c[None] <= max_depth[:, None]
+    best = torch.sort(torch.where(ok, scores, float("-inf")), dim=1, descending=True, stable=True).indices[:, :M]
+    cand = torch.where(ok.gather(1, best), best, n_cand).sort(dim=1).values      # [B, M], n_cand = no node
+    valid = cand < n_cand
+    c = cand.clamp(max=n_cand - 1)
+    rows = torch.arange(N, device=c.device)
+    node_row = c.new_zeros(B, n_cand + 1).scatter(1, cand, rows[1:1 + M].expand(B, M))    # candidate -> its row
+    pc = parents.gather(1, c)
+    parent_row = torch.where(pc >= 0, node_row.gather(1, pc.clamp(min=0)), 0)    # the root's children: 0
+    pad = N - 1 - M
+    zeros = c.new_zeros(B, pad)
+    ids = torch.cat([last[:, None], torch.where(valid, toks.gather(1, c), 0), zeros], 1)
+    depth = torch.cat([c.new_zeros(B, 1), torch.where(valid, depth_c[c], 0), zeros], 1)
+    prow = torch.cat([c.new_zeros(B, 1), torch.where(valid, parent_row, rows[1:1 + M]), rows[1 + M:].expand(B, pad)], 1)
+    row_valid = torch.cat([valid.new_ones(B, 1), valid, valid.new_zeros(B, pad)], 1)
+    return ids, depth, prow, row_valid
+
+
+def ancestry(prow, row_valid, D: int):
+    """masks: anc[b, i, j] = row j is row i or one of its ancestors; padding rows see only themselves.
+    Pointer doubling: after s steps `anc` holds the ancestors fewer than 2^s levels up and `jump` the
+    2^s-th one, so ceil(log2(D + 1)) steps (D = 5: 3) reach the root from depth D."""
+    B, N = prow.shape
+    eye = torch.eye(N, dtype=torch.bool, device=prow.device).expand(B, N, N)
+    anc, jump = eye, prow
+    for _ in range(math.ceil(math.log2(D + 1))):
+        anc = anc | anc.gather(1, jump[:, :, None].expand(B, N, N))
+        jump = jump.gather(1, jump)
+    return anc & (row_valid[:, :, None] | eye)
+
+
+def accept(logits, ids, prow, row_valid, anc, eos, T: int):
+    """Greedy acceptance: a row is accepted when it and every ancestor below the root hold the target's
+    argmax at their parent. Returns (accepted count, path rows [B, T] (0 past the path), the committed
+    tokens after them [B, T], tokens emitted (cut after the first EOS), EOS hit)."""
+    B, N = ids.shape
+    greedy = logits.argmax(-1)                                                   # [B, N]
+    rows = torch.arange(N, device=ids.device)
+    good = (row_valid & (ids == greedy.gather(1, prow))) | (rows == 0)
+    acc = ~(anc & ~good[:, None, :]).any(-1)
+    n_acc = acc.sum(1) - 1
+    path = torch.where(acc, rows, N).sort(dim=1).values[:, :T]                  # [0, path rows..., N...]
+    in_path = torch.arange(T, device=ids.device)[None] <= n_acc[:, None]
+    path = torch.where(in_path, path, 0)
+    committed = greedy.gather(1, path)                                           # the token after each path row
+    is_eos = (committed[:, :, None] == eos).any(-1) & in_path
+    hit = is_eos.any(1)
+    n_emit = torch.where(hit, is_eos.int().argmax(1) + 1, n_acc + 1)
+    return n_acc, path, committed, n_emit, hit
+
+
+def commit(st: dict, active, n_acc, path, committed, n_emit, hit, row_valid, depth, past, spare):
+    """Emitted tokens into the output buffer, per-round counts into the stats buffers, the committed
+    length and last token, `done` (active sequences only; scratch columns take the rest). Returns the
+    target cache's column moves (src, dst: root + path rows behind each sequence's committed rows,
+    spare -> spare for none) and the rows to feed the drafter per sequence (0 for one that stopped)."""
+    B, T = path.shape
+    W, R, D = st["buf"].shape[1], st["r_drafted"].shape[1], st["drafted"].shape[1]
+    steps = torch.arange(T, device=path.device)[None]
+    in_path = (steps <= n_acc[:, None]) & active[:, None]
+    put = in_path & (steps < n_emit[:, None])
+    st["buf"].scatter_(1, torch.where(put, st["n_gen"][:, None] + steps, W - 1), committed)
+    st["n_gen"] += torch.where(active, n_emit, 0)
+    at = torch.where(active, st["rounds"], R - 1)[:, None]
+    st["r_drafted"].scatter_(1, at, row_valid.sum(1, keepdim=True) - 1)
+    st["r_accepted"].scatter_(1, at, n_acc[:, None])
+    st["r_emitted"].scatter_(1, at, n_emit[:, None])
+    st["rounds"] += active.long()
+    lvl = torch.arange(D, device=path.device)[None]
+    reached = (lvl < depth.max(1).values[:, None]) & active[:, None]
+    st["drafted"] += reached.long()
+    st["reached"] += (reached & (lvl <= n_acc[:, None])).long()
+    st["accepted"] += (reached & (lvl < n_acc[:, None])).long()
+    now_done = st["done"] | (active & (hit | (st["n_gen"] >= st["max_new"])))
+    src = torch.where(in_path, past + path, spare).reshape(-1)
+    dst = torch.where(in_path, st["t_end"][:, None] + steps, spare).reshape(-1)
+    n_com = n_acc + 1
+    st["t_end"] += torch.where(active, n_com, 0)
+    st["last"].copy_(torch.where(active, committed.gather(1, n_acc[:, None])[:, 0], st["last"]))
+    n_feed = torch.where(active & ~now_done, n_com, 0)
+    st["done"].copy_(now_done)
+    return src, dst, n_feed
+
+
+def feed_inputs(committed, aux, path, n_feed, d_start, d_end, d_rows, d_past, d_cols):
+    """The drafter's feed of the committed rows (as Eagle3Proposer's), written at d_past: (ids, target
+    aux states, positions, mask [B, T, S_d]) and the moves of the rows fed behind each sequence's
+    drafter columns (src, dst; the spare last column for none)."""
+    B, T = committed.shape
+    steps = torch.arange(T, device=committed.device)
+    fed = steps[None] < n_feed[:, None]                                          # [B, T]
+    ids = torch.where(fed, committed, 0)
+    f_aux = aux.gather(1, path[:, :, None].expand(B, T, aux.shape[-1]))
+    eye = torch.eye(T, dtype=torch.bool, device=committed.device)
+    anc = (torch.ones(T, T, dtype=torch.bool, device=fed.device).tril()[None] & fed[:, None, :]) | eye  # causal, fed rows
+    mask = device_tree_mask(d_cols, d_start, d_end, d_past, anc)
+    spare = d_cols.shape[0] - 1
+    src = torch.where(fed, d_past + steps, spare).reshape(-1)
+    dst = torch.where(fed, d_end[:, None] + steps, spare).reshape(-1)
+    return ids, f_aux, d_rows[:, None] + steps, mask, src, dst
+
+
+def feed_finish(st: dict, g, n_feed) -> None:
+    """After the feed: each sequence's last fed drafter state, its drafter columns and rows advanced."""
+    B, _, H = g.shape
+    picked = g.gather(1, (n_feed - 1).clamp(min=0)[:, None, None].expand(B, 1, H))[:, 0]
+    st["g_last"].copy_(torch.where((n_feed > 0)[:, None], picked.to(st["g_last"].dtype), st["g_last"]))
+    st["d_end"] += n_feed
+    st["d_rows"] += n_feed
+
+
+PARTS = (choose, ancestry, accept, commit, feed_inputs, feed_finish)
+
+
+def round_parts(compiled: bool) -> SimpleNamespace:
+    """The round's pure parts by name: the functions themselves, or each torch.compile'd (inductor,
+    fullgraph, static shapes; one compilation per round shape, done by the round's first call)."""
+    if not compiled:
+        return SimpleNamespace(**{f.__name__: f for f in PARTS})
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # one per round shape
+    return SimpleNamespace(**{f.__name__: torch.compile(f, fullgraph=True, dynamic=False) for f in PARTS})
+
+
 class Resident:
     """Device state and the round of one (batch, shape) configuration, reused across generations
     (kept on the FastDraft, so the captured graph is replayed by every later prompt of that shape)."""
 
-    def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int]):
+    def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int],
+                 compile_round: bool = False):
         d, dev = prop.drafter, ft.device
         self.ft, self.prop, self.B, self.D, self.K = ft, prop, B, depth, prop.topk
         self.n_cand = self.K + (depth - 1) * self.K * self.K
@@ -63,12 +211,12 @@ class Resident:
             "r_emitted": Z(B, self.R), "drafted": Z(B, depth), "reached": Z(B, depth), "accepted": Z(B, depth),
             "d_start": Z(B), "d_end": Z(B), "d_rows": Z(B),
             "g_last": torch.zeros(B, d.cfg.hidden_size, dtype=d.fc.weight.dtype, device=dev),
-            "eos": h2d(list(eos_ids) or [-1], dev, L),
+            "eos": h2d(list(eos_ids) or [-1], dev, L), "max_new": h2d(max_new, dev, L),
         }
         self.depth_c = h2d([1] * self.K + [dd for dd in range(2, depth + 1) for _ in range(self.K * self.K)], dev, L)
-        self.ar_N, self.ar_T = torch.arange(self.N, device=dev), torch.arange(self.T, device=dev)
-        self.eye = torch.eye(self.N, dtype=torch.bool, device=dev)
-        self.tril = torch.ones(self.T, self.T, dtype=torch.bool, device=dev).tril()
+        self.d_cols = torch.arange(prop.cache.size, device=dev)
+        self.spare = h2d(ft.S - 1, dev, L)  # the target cache's scratch column
+        self.parts = round_parts(compile_round)
         self.b_idx = torch.arange(B, device=dev).repeat_interleave(self.T)
         self.caches = self.current_caches()  # held: a graph replays into these very buffers
         self.graph = None
@@ -82,106 +230,37 @@ class Resident:
     # ------------------------------------------------------------------ one round, tensor ops only
 
     def round(self) -> None:
-        st, ft, prop, d = self.state, self.ft, self.prop, self.prop.drafter
-        B, D, K, N, M, T = self.B, self.D, self.K, self.N, self.M, self.T
+        st, ft, prop, d, f = self.state, self.ft, self.prop, self.prop.drafter, self.parts
         active = ~st["done"]
-        max_depth = torch.where(active, (self.max_new - st["n_gen"] - 1).clamp(0, D), 0)
-
-        # expand (drafting rows after the drafter's committed columns; dropped after the round)
-        d_past = st["d_end"].max()
-        toks, scores, parents, _ = prop.expand(K, D, False, prop.graph_step(st["d_start"], st["d_end"], d_past),
-                                                st["g_last"], st["d_rows"])
-        # select the best M candidates of allowed depth, then put them in creation order
-        ok = self.depth_c[None] <= max_depth[:, None]
-        best = torch.sort(torch.where(ok, scores, float("-inf")), dim=1, descending=True, stable=True).indices[:, :M]
-        keep = ok.gather(1, best)
-        cand = torch.where(keep, best, self.n_cand).sort(dim=1).values        # [B, M], n_cand = no node
-        valid = cand < self.n_cand
-        c = cand.clamp(max=self.n_cand - 1)
-        node_of = torch.full((B, self.n_cand + 1), -1, dtype=torch.long, device=c.device)
-        node_of.scatter_(1, cand, torch.arange(M, device=c.device).expand(B, M).contiguous())
-        pc = parents.gather(1, c)
-        parent_node = torch.where(pc >= 0, node_of.gather(1, pc.clamp(min=0)), -1)
-        depth = torch.where(valid, self.depth_c[c], 0)
-
-        # verify rows: 0 = root (last committed token), 1..M = nodes, then padding
-        pad = N - 1 - M
-        row_valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=c.device), valid,
-                               valid.new_zeros(B, pad)], 1)
-        ids = torch.cat([st["last"][:, None], torch.where(valid, toks.gather(1, c), 0), c.new_zeros(B, pad)], 1)
-        depth_r = torch.cat([depth.new_zeros(B, 1), depth, depth.new_zeros(B, pad)], 1)
-        prow = torch.cat([c.new_zeros(B, 1), torch.where(valid, parent_node + 1, self.ar_N[1:1 + M]),
-                          self.ar_N[1 + M:].expand(B, pad)], 1)               # parent's row; self for none
-        anc = self.eye.expand(B, N, N)
-        for _ in range(D):
-            anc = self.eye | anc.gather(1, prow[:, :, None].expand(B, N, N))
-        anc = anc & (row_valid[:, :, None] | self.eye)                       # padding rows see only themselves
-        past = st["t_end"].max()
-        pos = (st["t_end"] - st["t_start"])[:, None] + depth_r
-        logits, aux, _ = ft.verify_rows(ids, pos, past, st["t_start"], st["t_end"], anc)
-
-        # accept (greedy) along the tree
-        greedy = logits.argmax(-1)                                             # [B, N]
-        match = row_valid & (ids == greedy.gather(1, prow))
-        root = self.ar_N[None] == 0
-        acc = root.expand(B, N)
-        for _ in range(D):
-            acc = root | (match & acc.gather(1, prow))
-        n_acc = acc.sum(1) - 1
-        path = torch.where(acc, self.ar_N, N).sort(dim=1).values[:, :T]       # [0, path rows..., N...]
-        in_path = self.ar_T[None] <= n_acc[:, None]
-        path = torch.where(in_path, path, 0)
-        committed = greedy.gather(1, path)                                     # tokens after each path row
-        n_com = n_acc + 1
-        is_eos = (committed[:, :, None] == st["eos"]).any(-1) & in_path
-        hit = is_eos.any(1)
-        n_emit = torch.where(hit, is_eos.int().argmax(1) + 1, n_com)
-
-        # emitted tokens and per-round counts (active sequences only)
-        put = in_path & (self.ar_T[None] < n_emit[:, None]) & active[:, None]
-        st["buf"].scatter_(1, torch.where(put, st["n_gen"][:, None] + self.ar_T, self.W - 1), committed)
-        st["n_gen"] += torch.where(active, n_emit, 0)
-        at = torch.where(active, st["rounds"], self.R - 1)[:, None]
-        st["r_drafted"].scatter_(1, at, valid.sum(1, keepdim=True))
-        st["r_accepted"].scatter_(1, at, n_acc[:, None])
-        st["r_emitted"].scatter_(1, at, n_emit[:, None])
-        st["rounds"] += active.long()
-        lvl = torch.arange(D, device=c.device)[None]
-        reached_d = (lvl < depth.max(1).values[:, None]) & active[:, None]
-        st["drafted"] += reached_d.long()
-        st["reached"] += (reached_d & (lvl <= n_acc[:, None])).long()
-        st["accepted"] += (reached_d & (lvl < n_acc[:, None])).long()
-        now_done = st["done"] | (active & (hit | (st["n_gen"] >= self.max_new)))
-
-        # the target's cache: root + path rows behind each sequence's committed rows
-        mv = (in_path & active[:, None]).reshape(-1)
-        spare = ft.S - 1
-        src = torch.where(mv, (past + path).reshape(-1), spare)
-        dst = torch.where(mv, (st["t_end"][:, None] + self.ar_T).reshape(-1), spare)
-        ft.move_columns(self.b_idx, src, dst)
-        st["t_end"] += torch.where(active, n_com, 0)
-        st["last"].copy_(torch.where(active, committed.gather(1, n_acc[:, None])[:, 0], st["last"]))
-
-        # the drafter: feed the committed rows of the sequences that go on (Eagle3Proposer._feed)
-        n_b = torch.where(active & ~now_done, n_com, 0)
-        fv = self.ar_T[None] < n_b[:, None]                                   # [B, T]
-        f_ids = torch.where(fv, committed, 0)
-        f_aux = aux.gather(1, path[:, :, None].expand(B, T, aux.shape[-1]))
-        f_anc = (self.tril[None] & fv[:, None, :]) | self.eye[:T, :T]
-        cache = prop.cache
-        cache.write_at.copy_(d_past)
-        cols = torch.arange(cache.size, device=c.device)
-        g = d(f_ids, d.project(f_aux), st["d_rows"][:, None] + self.ar_T,
-              cache, attn_mask=device_tree_mask(cols, st["d_start"], st["d_end"], d_past, f_anc))
-        dmv = fv.reshape(-1)
-        dsrc = torch.where(dmv, (d_past + self.ar_T).expand(B, T).reshape(-1), cache.size - 1)
-        ddst = torch.where(dmv, (st["d_end"][:, None] + self.ar_T).reshape(-1), cache.size - 1)
-        copy_columns((cache.k, cache.v), self.b_idx, dsrc, ddst)
-        picked = g.gather(1, (n_b - 1).clamp(min=0)[:, None, None].expand(B, 1, g.shape[-1]))[:, 0]
-        st["g_last"].copy_(torch.where((n_b > 0)[:, None], picked.to(st["g_last"].dtype), st["g_last"]))
-        st["d_end"] += n_b
-        st["d_rows"] += n_b
-        st["done"].copy_(now_done)
+        with phase("expand"):  # drafting rows go after the drafter's committed columns; dropped after the round
+            d_past = st["d_end"].max()
+            toks, scores, parents, _ = prop.expand(self.K, self.D, False, prop.graph_step(st["d_start"], st["d_end"], d_past),
+                                                    st["g_last"], st["d_rows"])
+        with phase("select"):
+            ids, depth_r, prow, row_valid = f.choose(scores, parents, toks, st["last"], st["n_gen"], active,
+                                                     self.depth_c, st["max_new"], self.D, self.M, self.N)
+        with phase("masks"):
+            anc = f.ancestry(prow, row_valid, self.D)
+        with phase("verify"):
+            past = st["t_end"].max()
+            logits, aux, _ = ft.verify_rows(ids, (st["t_end"] - st["t_start"])[:, None] + depth_r, past,
+                                            st["t_start"], st["t_end"], anc)
+        with phase("accept"):
+            n_acc, path, committed, n_emit, hit = f.accept(logits, ids, prow, row_valid, anc, st["eos"], self.T)
+        with phase("commit"):
+            src, dst, n_feed = f.commit(st, active, n_acc, path, committed, n_emit, hit, row_valid, depth_r, past,
+                                        self.spare)
+        with phase("cache_moves"):
+            ft.move_columns(self.b_idx, src, dst)
+        with phase("drafter_feed"):
+            cache = prop.cache
+            f_ids, f_aux, f_pos, f_mask, dsrc, ddst = f.feed_inputs(committed, aux, path, n_feed, st["d_start"],
+                                                                    st["d_end"], st["d_rows"], d_past, self.d_cols)
+            with phase("feed_forward"):
+                cache.write_at.copy_(d_past)
+                g = d(f_ids, d.project(f_aux), f_pos, cache, attn_mask=f_mask)
+            copy_columns((cache.kv,), self.b_idx, dsrc, ddst)
+            f.feed_finish(st, g, n_feed)
 
     # ------------------------------------------------------------------ the host side
 
@@ -253,9 +332,10 @@ class Resident:
 
 
 def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, depth: int,
-                      eos_ids: Sequence[int], fast: FastTarget):
+                      eos_ids: Sequence[int], fast: FastTarget, compile_round: bool = False):
     """`engine.generate` for greedy EAGLE-3 on the fast path, every round on the device. Same
-    returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one graph does both)."""
+    returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one graph does both).
+    `compile_round`: the round's pure parts compiled by inductor (round_parts); the same outputs."""
     B, dev = len(prompts), target.device
     t_start = time.perf_counter()
     ids, pad, pos = left_pad(prompts, dev)
@@ -268,12 +348,12 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     if proposer.cache.size <= needed:
         proposer.cache = proposer.fast.grow(proposer.cache, needed)
     store = proposer.fast.resident
-    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids))
+    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round)
     res = store.get(key)
     if res is not None:
         res.prop = proposer  # a new proposer over the same buffers: the graph stays valid
     if res is None or not res.same_caches():
-        res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids)
+        res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids, compile_round)
     new, per = res.run(first, pad_h, P)
     wall = time.perf_counter() - t_start
     stats = []
