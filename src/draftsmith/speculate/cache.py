@@ -71,19 +71,20 @@ def stack_layers(layers: Sequence[Any]) -> Optional[tuple[torch.Tensor, torch.Te
     tensors [layers, B, heads, S, d] (their contents copied), so that moving columns in every layer is
     one gather and one scatter per stack instead of two per layer and tensor. Returns the stacks, or
     None (nothing changed) when the layers differ in shape or dtype. While the stacks are filled the
-    old tensors are still held: the KV cache's memory, twice, for a moment."""
+    old tensors are still held: the keys' (then the values') memory, twice, for a moment."""
     if not all(getattr(layer, "is_initialized", False) for layer in layers):
         return None
-    stacks = []
     for name in ("keys", "values"):
         ts = [getattr(layer, name) for layer in layers]
         if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype or t.device != ts[0].device for t in ts):
             return None
-        stacks.append(torch.stack(ts))
-    for i, layer in enumerate(layers):
-        layer.keys, layer.values = stacks[0][i], stacks[1][i]
-        torch._dynamo.mark_static_address(layer.keys)  # as transformers marks its own (compiled forwards)
-        torch._dynamo.mark_static_address(layer.values)
+    stacks = []
+    for name in ("keys", "values"):  # one at a time: the extra memory is the keys' (or values') copy, not both
+        stack = torch.stack([getattr(layer, name) for layer in layers])
+        for i, layer in enumerate(layers):
+            setattr(layer, name, stack[i])
+            torch._dynamo.mark_static_address(stack[i])  # as transformers marks its own (compiled forwards)
+        stacks.append(stack)
     return stacks[0], stacks[1]
 
 

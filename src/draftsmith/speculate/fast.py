@@ -129,10 +129,11 @@ class FastTarget:
     the graph-safe pieces the resident round calls inside its own graph: verify_rows, move_columns."""
 
     def __init__(self, target: Target, mode: str = "graphs", batch_size: int = 1, max_len: int = 2048,
-                 key: str = "evaluate.fast"):
+                 key: str = "evaluate.fast", stack: bool = True):
         if mode not in MODES[1:]:
             raise ValueError(f"FastTarget mode {mode!r}: one of {MODES[1:]}")
         self.target, self.mode, self.device, self.key = target, mode, target.device, key  # key: the recipe field, for messages
+        self.stack = stack  # stack the layers' KV after the first prefill (cheap column moves); plain-only users skip it
         self.graphs = mode in ("graphs", "compile") and graph_safe_experts(target.model)
         self.fn = self._forward
         if mode == "compile":
@@ -199,7 +200,7 @@ class FastTarget:
         mask[:, :, :P] = prefill_mask(pad, P)
         logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
         if self.stacked is None:  # the layers' tensors exist now (transformers allocates them in the first forward)
-            self.stacked = stack_layers(self.cache.layers) or ()
+            self.stacked = (stack_layers(self.cache.layers) if self.stack else None) or ()
         self.past = P
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final)
 
