@@ -213,6 +213,14 @@ def unused_imports(src: Path) -> list[str]:
     return out
 
 
+def package(root, files: dict) -> None:
+    """A tiny draftsmith package under root: __init__.py and `files` (name -> source)."""
+    pkg = root / "draftsmith"
+    pkg.mkdir()
+    for name, text in {"__init__.py": "", **files}.items():
+        (pkg / name).write_text(text)
+
+
 def test_no_unused_imports():
     found = unused_imports(SRC)
     assert not found, "\n".join(found)
@@ -220,11 +228,8 @@ def test_no_unused_imports():
 
 def test_unused_imports_are_found(tmp_path):
     """The checker itself: an unused name is reported, a used one, a re-export and a string annotation are not."""
-    pkg = tmp_path / "draftsmith"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from __future__ import annotations\nimport os, json\nfrom .b import best_of, keep, Shown as Shown\n"
-                              "from typing import Optional\ndef f(x: 'Optional[int]'):\n    return keep(os.sep)\n")
+    package(tmp_path, {"a.py": "from __future__ import annotations\nimport os, json\nfrom .b import best_of, keep, Shown as Shown\n"
+                                "from typing import Optional\ndef f(x: 'Optional[int]'):\n    return keep(os.sep)\n"})
     assert unused_imports(tmp_path) == ["draftsmith/a.py:2: json imported, never used", "draftsmith/a.py:3: best_of imported, never used"]
 
 
@@ -235,13 +240,8 @@ def test_no_cycles_and_no_upward_imports():
 
 def test_the_graph_sees_function_local_imports(tmp_path):
     """The checker itself: an import inside a function counts, and a cycle through it is found."""
-    pkg = tmp_path / "draftsmith"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "config.py").write_text("def f():\n    from .artifacts import x\n")
-    (pkg / "artifacts.py").write_text("from . import config\n")
-    (pkg / "cli.py").write_text("")
-    (pkg / "status.py").write_text("def g():\n    from .cli import main\n")
+    package(tmp_path, {"config.py": "def f():\n    from .artifacts import x\n", "artifacts.py": "from . import config\n",
+                       "cli.py": "", "status.py": "def g():\n    from .cli import main\n"})
     found = violations(tmp_path)
     assert "cycle: draftsmith.artifacts <-> draftsmith.config" in found
     assert "upward: draftsmith.status (stages and tools) imports draftsmith.cli (cli)" in found
