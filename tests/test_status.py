@@ -236,3 +236,19 @@ def test_serve_command_takes_the_shape_evaluate_measured_fastest(tmp_path):
     facts = {f["label"]: f["value"] for f in status.collect(run)["discoveries"]}
     assert facts["regenerated conversations kept / tokens (loss tokens): what training read"] == \
         "5196 / 4,099,707 (3,110,875)"
+
+
+def test_engine_far_below_its_simulated_tau_is_a_finding(tmp_path):
+    """The engine's held-out tau against the tau teacher forcing predicts at the same depth: far below it
+    (decoding does not see what training saw) is a finding; close to it is not."""
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    held = {"samples": 256, "best_step": 240, "best_tau_simulated": 4.2, "last_tau_simulated": 4.2,
+            "best_acc_per_position": [0.8] * 6, "still_improving": False, "overfitting": None,
+            "engine": {"prompts": 16, "depth": 5, "tau_chain": 3.4}}  # 1 + .8 + .64 + .512 + .41 + .328 = 3.69 at depth 5
+    _set(run, "train", metrics={"heldout": held})
+    assert status.collect(run)["findings"] == []
+    held["engine"]["tau_chain"] = 1.5
+    _set(run, "train", metrics={"heldout": held})
+    (found,) = status.collect(run)["findings"]
+    assert found["kind"] == "engine_below_simulated"
+    assert "(1.5) is far below" in found["text"] and "at depth 5 (3.69)" in found["text"]

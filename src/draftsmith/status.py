@@ -10,7 +10,8 @@ running, or pending. The document has eight sections (SECTIONS): Goal, Instructi
 in force), Discoveries (hardware, versions, target facts, measured figures, held-out figures,
 planner prediction vs measurement), Accomplished (per stage), Relevant files, Findings (what the
 figures say stands between the drafter and a win: it loses to n-gram lookup, its held-out figure
-falls while the training figure rises, it is evaluated deeper than it was trained), Immediate next
+falls while the training figure rises, the engine's held-out τ falls far below the simulated one,
+it is evaluated deeper than it was trained), Immediate next
 step (computed from the findings once every stage is done), and Sources: every figure carries a
 [n] marker naming the file (and key) it was read from.
 """
@@ -30,7 +31,7 @@ from .artifacts import DraftsmithError, LEDGER, Ledger, atomic_write_text, load_
 from .compat import TESTED, mtp_layers
 from .config import STAGES
 from .costmodel import target_spec, text_config_dict
-from .plan import predict, speedup_at
+from .plan import expected_tokens, predict, speedup_at
 
 ICONS = {"done": "✅", "running": "🔄", "pending": "⏳", "failed": "❌", "interrupted": "⏸️"}
 
@@ -159,6 +160,11 @@ def _depth(method: str, ev_config: dict) -> Optional[int]:
     return {"eagle3_chain": ev_config.get("draft_steps"), "eagle3_tree": ev_config.get("tree_depth")}.get(method)
 
 
+ENGINE_FLOOR = 0.8
+"""A finding when the engine's held-out tau is below this share of the simulated tau at its depth (the
+quickstart: 1.268 against 1.286, 0.99; teacher forcing is an estimate, hence the margin)."""
+
+
 def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
     """What the measured figures say stands between this drafter and a win, most pressing first.
     Each: {kind, text, fix, source}. Read from the train and evaluate manifests only."""
@@ -173,6 +179,18 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                             f"{over['train_from']:.3g} to {over['train_to']:.3g}: the drafter is memorizing its data",
                     "fix": "train on more conversations (raise prepare.max_samples, with regenerate on) or for fewer "
                            "epochs; train/best holds the checkpoint with the best held-out figure"})
+    engine = held.get("engine") or {}
+    acc = held.get("best_acc_per_position") or []
+    if engine.get("tau_chain") is not None and engine.get("depth") and len(acc) >= engine["depth"]:
+        sim = expected_tokens(acc[:engine["depth"]])  # the simulated tau at the depth the engine drafted
+        if engine["tau_chain"] < ENGINE_FLOOR * sim:
+            out.append({"kind": "engine_below_simulated", "source": f"{_mf('train')}: metrics.heldout.engine, "
+                                                                     "metrics.heldout.best_acc_per_position",
+                        "text": f"the engine's τ on {engine.get('prompts')} held-out prompts ({engine['tau_chain']:.3g}) is "
+                                f"far below the τ its teacher-forced held-out accuracy predicts at depth {engine['depth']} "
+                                f"({sim:.3g}): decoding does not see what training saw",
+                        "fix": "check that capture and evaluate use the same aux layers, chat template, draft vocab "
+                               "and dtype; tests/test_consistency.py checks the engine against teacher forcing"})
     trained_k = _get(train or {}, "config.train.ttt_steps")
     ev_config = (ev or {}).get("config") or {}
     methods = _get(ev or {}, "metrics.methods") or {}
