@@ -133,8 +133,8 @@ def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], 
             e = expected_tokens(profile(accept, k))
             rows.append(_row("eagle3-chain", b, e, k * draft + cost.verify_ms(b * (k + 1), b) + overhead, plain, k=k,
                              verified_tokens=k + 1))
-        for n in tree_budgets:
-            e, depth, width = tree_tokens(accept, n - 1)
+        for n in tree_budgets:  # no deeper than the longest chain row: past the measured positions all is extrapolated
+            e, depth, width = tree_tokens(accept, n - 1, max_depth=max(ks, default=8))
             # one drafter step per level, each over the widest level's rows per sequence
             step = depth * cost.draft_ms(b, width) + cost.verify_ms(b * n, b) + overhead
             rows.append(_row("eagle3-tree", b, e, step, plain, budget=n, depth=depth, width=width, verified_tokens=n))
