@@ -39,7 +39,8 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
-                         load_manifest, log, new_manifest, remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
+                         load_manifest, log, new_manifest, remove_temp_files, require_complete, rerun_command, stage_dir,
+                         verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
 from ..speculate.fast import choose_mode, fast_target_or_none
 from ..target.model import eos_token_ids, load_target, load_tokenizer
@@ -288,7 +289,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                                start=chunks[k][0], stop=chunks[k][-1] + 1) if c.index in want]
         if [c.index for c in convs] != chunks[k]:
             raise DraftsmithError(f"{path}: records {chunks[k][0]}..{chunks[k][-1]} no longer match what prepare read; "
-                                  "the source changed, rerun `draftsmith prepare --force`")
+                                  f"the source changed, rerun {rerun_command('prepare', run_dir)}")
         results = regenerate_conversations(generate, [c.messages for c in convs], fits)
         samples, texts = [], []
         for conv, res in zip(convs, results):
