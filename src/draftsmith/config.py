@@ -106,7 +106,8 @@ class RegenerateConfig:
     temperature > 0 the fast path samples the full softmax; `generate` also applies the target's
     generation_config (top_k, top_p)."""
     concurrency: int = 16
-    """Requests in flight to the server."""
+    """Requests in flight to the server. This and the three below never change an answer, so
+    changing them does not regenerate a complete stage (unless requests failed in it)."""
     timeout_s: float = 600.0
     """Per request."""
     max_retries: int = 3
