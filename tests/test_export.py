@@ -104,5 +104,5 @@ def test_export_stage(tiny_drafter, tmp_path):
     assert [f["file"] for f in m["formats"]["sglang"]["files"]] == ["config.json", "model.safetensors"]
     assert (run_dir / "export" / "sglang" / "model.safetensors").exists()
     recipe.export.formats = ["tensorrt"]
-    with pytest.raises(DraftsmithError, match="unknown tensorrt"):
+    with pytest.raises(DraftsmithError, match="export.formats 'tensorrt': not a format; choose from sglang, vllm"):
         pipeline.run_stage("export", recipe)

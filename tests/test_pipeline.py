@@ -155,6 +155,24 @@ def test_unknown_evaluate_method_is_refused_before_any_stage(tmp_path, target, c
     assert f"error: {bad}: evaluate.methods 'tree': not a method" in capsys.readouterr().err
 
 
+def test_unknown_export_format_is_refused_before_any_stage(tmp_path, target, capsys):
+    """A typo in export.formats (or an empty list) is a one-line error at parse time (exit 2, nothing
+    run), not a failure of the export stage after training."""
+    recipe = write_recipe(tmp_path, target, tmp_path / "run")
+    assert main(["run", str(recipe), "--export.formats", "[sglang, vlm]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {recipe}: export.formats 'vlm': not a format; choose from sglang, vllm"
+    assert not (tmp_path / "run").exists()
+    bad = tmp_path / "bad.yaml"
+    r = yaml.safe_load(recipe.read_text())
+    r["export"] = {"formats": []}
+    bad.write_text(yaml.safe_dump(r))
+    assert main(["prepare", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {bad}: export.formats is empty; choose from sglang, vllm"
+    assert not (tmp_path / "run").exists()
+
+
 def test_force_is_a_plain_flag(tmp_path, target):
     """`--force` alone redoes a complete stage (docs/reliability.md writes it so), anywhere on the
     line; `--force true` / `--force false` still work (benchmarks/h200.sh passes `--force true`)."""

@@ -166,6 +166,39 @@ def test_server_regenerate_then_capture(tmp_path, server):
     assert (run_dir / "regen" / "errors.jsonl").read_text() == errors_before
 
 
+def test_request_settings_do_not_regenerate_a_complete_stage(tmp_path, server):
+    """concurrency, timeout_s, max_retries and retry_delay_s never change an answer: changing them
+    leaves a complete stage complete (no request sent) instead of regenerating every answer."""
+    args = [*_recipe(tmp_path, server_url=server.url), "--prepare.max_samples", "3"]  # no FAIL prompt: nothing fails
+    assert main(["prepare", *args]) == 0 and main(["regenerate", *args]) == 0
+    run_dir = tmp_path / "run"
+    before = load_manifest(run_dir / "regen")
+    assert before["status"] == "complete" and before["counts"]["failed"] == 0
+    n = server.chat_requests
+    changed = ["--regenerate.concurrency", "2", "--regenerate.timeout_s", "30", "--regenerate.max_retries", "5",
+               "--regenerate.retry_delay_s", "0.5"]
+    assert main(["regenerate", *args, *changed]) == 0
+    assert server.chat_requests == n
+    assert Ledger(run_dir).read()[-1]["event"] == "stage_skipped"
+    assert load_manifest(run_dir / "regen") == before
+    assert main(["regenerate", *args, "--regenerate.max_new_tokens", str(MAX_NEW + 1)]) == 0  # an answer setting does
+    assert server.chat_requests > n
+
+
+def test_request_settings_regenerate_a_stage_whose_requests_failed(tmp_path, server):
+    """A complete stage with failed requests is regenerated when a request setting changed (the fix
+    those failures call for), and skipped when none did."""
+    args = _recipe(tmp_path, server_url=server.url)
+    assert main(["prepare", *args]) == 0 and main(["regenerate", *args]) == 0
+    run_dir = tmp_path / "run"
+    assert load_manifest(run_dir / "regen")["counts"]["failed"] == 1
+    n = server.chat_requests
+    assert main(["regenerate", *args]) == 0 and server.chat_requests == n
+    assert main(["regenerate", *args, "--regenerate.max_retries", "2"]) == 0
+    assert server.chat_requests > n
+    assert load_manifest(run_dir / "regen")["config"]["max_retries"] == 2
+
+
 def test_local_generate(tmp_path):
     args = _recipe(tmp_path, batch_size=4)
     recipe = parse_recipe(args)[0]

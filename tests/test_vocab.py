@@ -71,3 +71,14 @@ def test_vocab_stage_rejects_counts_beyond_model_vocab(tmp_path):
     recipe, run_dir = _run_dir(tmp_path, counts)
     with pytest.raises(DraftsmithError, match="token_counts.safetensors: tokens with ids >= 12"):
         run(recipe, run_dir, "fp")
+
+
+def test_vocab_stage_missing_counts_names_the_whole_rerun_command(tmp_path):
+    """The fix names a command that runs as pasted: the stage, the run's recipe.yaml and --force
+    (a bare `draftsmith prepare --force` would run the default recipe); one line."""
+    recipe, run_dir = _run_dir(tmp_path, torch.tensor([1, 2, 3], dtype=torch.int64))
+    (run_dir / "data" / "token_counts.safetensors").unlink()
+    with pytest.raises(DraftsmithError) as e:
+        run(recipe, run_dir, "fp")
+    assert str(e.value).endswith(f"not found; rerun `draftsmith prepare {run_dir / 'recipe.yaml'} --force`")
+    assert "\n" not in str(e.value)

@@ -290,6 +290,12 @@ def stage_dir(run_dir: str | Path, stage: str) -> Path:
     return Path(run_dir) / STAGE_DIRS.get(stage, stage)
 
 
+def rerun_command(stage: str, run_dir: str | Path, force: bool = True) -> str:
+    """The command an error's fix names: `draftsmith STAGE RUN_DIR/recipe.yaml --force` (the run's
+    resolved recipe, which the pipeline writes before a stage starts), so it can be pasted as is."""
+    return f"`draftsmith {stage} {Path(run_dir) / 'recipe.yaml'}{' --force' if force else ''}`"
+
+
 def token_stage(recipe, run_dir: str | Path) -> tuple[Path, str]:
     """(folder, stage) of the token shards that capture, vocab and online training read: regen/
     when regenerate is enabled, else data/. `recipe` is a config.Recipe."""

@@ -106,7 +106,8 @@ class RegenerateConfig:
     temperature > 0 the fast path samples the full softmax; `generate` also applies the target's
     generation_config (top_k, top_p)."""
     concurrency: int = 16
-    """Requests in flight to the server."""
+    """Requests in flight to the server. This and the three below never change an answer, so
+    changing them does not regenerate a complete stage (unless requests failed in it)."""
     timeout_s: float = 600.0
     """Per request."""
     max_retries: int = 3
@@ -344,6 +345,10 @@ class EvaluateConfig:
     and statistics either way (tests)."""
 
 
+EXPORT_FORMATS = ("sglang", "vllm")
+"""Every name export.formats takes: one converter each (export/sglang.py, export/vllm.py)."""
+
+
 @dataclass
 class ExportConfig:
     """Converters to serving formats."""
@@ -510,6 +515,17 @@ def check_methods(methods: list[str], where: str) -> None:
                               f"choose from {', '.join(EVALUATE_METHODS)}")
 
 
+def check_formats(formats: list[str], where: str) -> None:
+    """Refuse an export.formats name that is not a converter, or an empty list (a typo found at parse
+    time, not after training)."""
+    bad = [f for f in formats if f not in EXPORT_FORMATS]
+    if bad:
+        raise DraftsmithError(f"{where}: export.formats {', '.join(map(repr, bad))}: not a format; "
+                              f"choose from {', '.join(EXPORT_FORMATS)}")
+    if not formats:
+        raise DraftsmithError(f"{where}: export.formats is empty; choose from {', '.join(EXPORT_FORMATS)}")
+
+
 def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output. With
@@ -537,6 +553,8 @@ def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] =
             raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
     if wanted("evaluate.methods"):
         check_methods(recipe.evaluate.methods, where)
+    if wanted("export.formats"):
+        check_formats(recipe.export.formats, where)
     if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
         raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
     if wanted("train.micro_batch_tokens") and recipe.train.micro_batch_tokens is not None \

@@ -34,7 +34,7 @@ class Stage:
     it logs, saves on the way or measures beside its output, never the output itself, so changing
     one leaves a complete stage complete (and downstream stages with it)."""
     revisit: Optional[Callable[[dict, Recipe], tuple[str, str]]] = None
-    """For a key left out that can still matter (train.max_minutes): `revisit(manifest, recipe)` of a
+    """For a key left out that can still matter (train.max_minutes, regenerate.timeout_s): `revisit(manifest, recipe)` of a
     complete output with the same fingerprint -> (verdict, why): "done" (skip it), "continue" (run
     the stage on it: it resumes from what it saved) or "restart" (start over, as for other inputs)."""
 
@@ -42,7 +42,7 @@ class Stage:
 STAGE_TABLE: dict[str, Stage] = {
     "prepare": Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), ()),
     "regenerate": Stage(regenerate.run, "optional: the target rewrites the assistant turns (regenerate.enabled)",
-                        ("regenerate",), ("prepare",)),
+                        ("regenerate",), ("prepare",), regenerate.UNFINGERPRINTED, regenerate.retry_verdict),
     "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate")),
     "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
     "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),

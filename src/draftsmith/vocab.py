@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        require_complete, stage_dir, token_stage, verify_listed_file, write_manifest)
+                        require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
 from .config import Recipe, check_recipe
 from .target.model import read_text_config
 
@@ -89,9 +89,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     try:
         counts = load_file(str(counts_path))["counts"].to(torch.int64)
     except FileNotFoundError:
-        raise DraftsmithError(f"{counts_path}: not found; rerun `draftsmith prepare --force`") from None
+        raise DraftsmithError(f"{counts_path}: not found; rerun {rerun_command('prepare', run_dir)}") from None
     except (SafetensorError, OSError, ValueError, KeyError) as e:
-        raise DraftsmithError(f"{counts_path}: unreadable or lacks `counts` ({e}); rerun `draftsmith prepare --force`") from None
+        raise DraftsmithError(f"{counts_path}: unreadable or lacks `counts` ({e}); rerun {rerun_command('prepare', run_dir)}") from None
     V = target_vocab_size(recipe)
     if counts.numel() > V:
         if counts[V:].any():

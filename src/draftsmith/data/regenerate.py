@@ -39,7 +39,8 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
-                         load_manifest, log, new_manifest, remove_temp_files, require_complete, stage_dir, verify_shards, write_manifest)
+                         load_manifest, log, new_manifest, remove_temp_files, require_complete, rerun_command, stage_dir,
+                         verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
 from ..speculate.fast import choose_mode, fast_target_or_none
 from ..target.model import eos_token_ids, load_target, load_tokenizer
@@ -49,6 +50,26 @@ from .template import prompt_ids, render
 
 ERRORS_FILE = "errors.jsonl"
 COUNTS_FILE = "token_counts.safetensors"
+UNFINGERPRINTED = ("regenerate.concurrency", "regenerate.timeout_s", "regenerate.max_retries", "regenerate.retry_delay_s")
+"""regenerate.* keys that never change an answer, left out of the stage's fingerprint
+(stages.Stage.unfingerprinted): how many requests are in flight and how long and how often a
+request is tried. Changing one leaves a complete regenerate stage complete, and a cut-off one
+resumes, instead of regenerating every answer. They can change which requests failed, so a
+complete output with failed requests is regenerated when one of them changed (retry_verdict)."""
+
+
+def retry_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
+    """(verdict, why) for a complete regenerate output whose fingerprint matches `recipe`: "done",
+    or "restart" when requests failed in it and a request setting (UNFINGERPRINTED) changed since,
+    the fix those failures name (a longer timeout, more retries)."""
+    failed = int((manifest.get("counts") or {}).get("failed", 0))
+    old = manifest.get("config") or {}
+    names = [key.split(".")[1] for key in UNFINGERPRINTED]
+    changed = [f"regenerate.{n} {old.get(n)} -> {getattr(recipe.regenerate, n)}" for n in names
+               if old.get(n) != getattr(recipe.regenerate, n)]
+    if failed and changed:
+        return "restart", f"{failed} request(s) failed and {', '.join(changed)}"
+    return "done", ""
 
 
 @dataclass
@@ -288,7 +309,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                                start=chunks[k][0], stop=chunks[k][-1] + 1) if c.index in want]
         if [c.index for c in convs] != chunks[k]:
             raise DraftsmithError(f"{path}: records {chunks[k][0]}..{chunks[k][-1]} no longer match what prepare read; "
-                                  "the source changed, rerun `draftsmith prepare --force`")
+                                  f"the source changed, rerun {rerun_command('prepare', run_dir)}")
         results = regenerate_conversations(generate, [c.messages for c in convs], fits)
         samples, texts = [], []
         for conv, res in zip(convs, results):

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
-                         remove_temp_files, require_complete, safe_join, sha256_file, stage_dir, token_stage, verify_shards,
+                         remove_temp_files, require_complete, rerun_command, safe_join, sha256_file, stage_dir, token_stage, verify_shards,
                          write_manifest)
 from ..config import Recipe
 from ..distributed import barrier, from_rank0, init_distributed, rank_device
@@ -190,7 +190,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             top = max((int(s.input_ids.max()) for s in samples if len(s)), default=-1)
             if top >= target.vocab_size:
                 raise DraftsmithError(f"{path}: token id {top} >= the target's vocab_size {target.vocab_size}; the tokenizer in "
-                                      f"{recipe.target.path} does not belong to its model, fix the folder and rerun `draftsmith prepare --force`")
+                                      f"{recipe.target.path} does not belong to its model, fix the folder and rerun {rerun_command('prepare', run_dir)}")
             good, rejected = capture_samples(target, samples, cfg.batch_tokens, cfg.storage_dtype)
             fwd_tokens += sum(len(s) for s in samples)
             if pending is not None:
@@ -208,7 +208,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         _merge(m, _listed(out_dir, m, fp), names)
         missing = [n for n in names if n not in {s["file"] for s in m["shards"]}]
         if missing:
-            raise DraftsmithError(f"{out_dir}: shards {missing[:3]} were not captured by any rank; rerun `draftsmith capture`")
+            raise DraftsmithError(f"{out_dir}: shards {missing[:3]} were not captured by any rank; rerun {rerun_command('capture', run_dir, force=False)}")
         if fwd_tokens:
             # rank 0's rate x ranks: the ranks share the shards evenly
             m["metrics"]["capture_tokens_per_s"] = round(fwd_tokens / max(dt, 1e-9) * info.world_size, 1)

@@ -61,7 +61,7 @@ import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, fingerprint,
-                         load_manifest, log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, sha256_file,
+                         load_manifest, log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, rerun_command, sha256_file,
                          stage_dir, temp_dir, to_jsonable, token_stage, verify_shards, write_manifest)
 from ..config import Recipe, check_recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
@@ -274,10 +274,9 @@ class CaptureSource:
     """Offline: capture/'s shards hold the hidden states (CaptureIndex.batch reads them)."""
 
     online = False
-    nonfinite_fix = "check capture/ for NaN/inf hidden states (rerun `draftsmith capture --force`)"
-
     def __init__(self, recipe: Recipe, run_dir: Path):
-        self.recipe = recipe
+        self.recipe, self.run_dir = recipe, run_dir
+        self.nonfinite_fix = f"check capture/ for NaN/inf hidden states (rerun {rerun_command('capture', run_dir)})"
         self.dir, self.stage = stage_dir(run_dir, "capture"), "capture"
         self.manifest = require_complete(self.dir, self.stage)
         self.index: CaptureIndex | None = None
@@ -292,10 +291,10 @@ class CaptureSource:
         m = self.manifest
         if int(m.get("hidden_size", hidden)) != hidden:
             raise DraftsmithError(f"{self.dir / 'manifest.json'}: hidden_size {m['hidden_size']} differs from the target's {hidden}; "
-                                  "the capture is from another model, rerun `draftsmith capture --force`")
+                                  f"the capture is from another model, rerun {rerun_command('capture', self.run_dir)}")
         aux_layer_ids = list(m.get("aux_layer_ids") or [])
         if not aux_layer_ids:
-            raise DraftsmithError(f"{self.dir / 'manifest.json'}: no aux_layer_ids recorded; rerun `draftsmith capture --force`")
+            raise DraftsmithError(f"{self.dir / 'manifest.json'}: no aux_layer_ids recorded; rerun {rerun_command('capture', self.run_dir)}")
         self.index = CaptureIndex(shard_paths, max_length, hidden, len(aux_layer_ids))
         self.packed_tokens, self.pin = packed_tokens, pin
         return aux_layer_ids
@@ -316,7 +315,7 @@ class OnlineSource(CaptureSource):
     nonfinite_fix = "check target.dtype (float16 overflows: use bfloat16 or float32)"
 
     def __init__(self, recipe: Recipe, run_dir: Path):
-        self.recipe = recipe
+        self.recipe, self.run_dir = recipe, run_dir
         self.dir, self.stage = token_stage(recipe, run_dir)
         self.manifest = require_complete(self.dir, self.stage)
         self.index: TokenIndex | None = None
@@ -341,7 +340,7 @@ class OnlineSource(CaptureSource):
             si, j, _ = index.entries[where]
             raise DraftsmithError(f"{index.paths[si]}: sample {j}: token id {top} >= the target's vocab_size {target.vocab_size}; the "
                                   f"tokenizer in {self.recipe.target.path} does not belong to its model, fix the folder and rerun "
-                                  f"`draftsmith {self.stage} --force`")
+                                  f"{rerun_command(self.stage, self.run_dir)}")
         self.target, self.index, self.packed_tokens, self.pin = target, index, packed_tokens, pin
         return aux_layer_ids
 
@@ -471,7 +470,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     d2t, t2d = load_vocab(vocab_dir / VOCAB_FILE)
     if t2d.numel() != int(tcfg.vocab_size):
         raise DraftsmithError(f"{vocab_dir / VOCAB_FILE}: t2d covers {t2d.numel()} tokens, the target has {tcfg.vocab_size}; "
-                              "rerun `draftsmith vocab --force`")
+                              f"rerun {rerun_command('vocab', run_dir)}")
     hidden = int(tcfg.hidden_size)
     # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
     packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
