@@ -506,24 +506,25 @@ _LOWEST_MEANS = {"train.max_tokens": "0 = no budget", "train.max_minutes": "0 = 
 """What the lowest value of a limit means, where it is a setting of its own (said in the error)."""
 
 
-def check_methods(methods: list[str], where: str) -> None:
-    """Refuse an evaluate.methods name that is not a decoder evaluate runs (a typo found at parse
-    time, not after training)."""
-    bad = [m for m in methods if m not in EVALUATE_METHODS]
+def check_choices(key: str, values: list[str], choices: tuple[str, ...], noun: str, where: str,
+                  allow_empty: bool = True) -> None:
+    """Refuse a name in a list setting that is not one of `choices` (a typo found at parse time, not
+    after training), and an empty list where one is needed."""
+    bad = [v for v in values if v not in choices]
     if bad:
-        raise DraftsmithError(f"{where}: evaluate.methods {', '.join(map(repr, bad))}: not a method; "
-                              f"choose from {', '.join(EVALUATE_METHODS)}")
+        raise DraftsmithError(f"{where}: {key} {', '.join(map(repr, bad))}: not a {noun}; choose from {', '.join(choices)}")
+    if not values and not allow_empty:
+        raise DraftsmithError(f"{where}: {key} is empty; choose from {', '.join(choices)}")
+
+
+def check_methods(methods: list[str], where: str) -> None:
+    """evaluate.methods: decoders evaluate runs."""
+    check_choices("evaluate.methods", methods, EVALUATE_METHODS, "method", where)
 
 
 def check_formats(formats: list[str], where: str) -> None:
-    """Refuse an export.formats name that is not a converter, or an empty list (a typo found at parse
-    time, not after training)."""
-    bad = [f for f in formats if f not in EXPORT_FORMATS]
-    if bad:
-        raise DraftsmithError(f"{where}: export.formats {', '.join(map(repr, bad))}: not a format; "
-                              f"choose from {', '.join(EXPORT_FORMATS)}")
-    if not formats:
-        raise DraftsmithError(f"{where}: export.formats is empty; choose from {', '.join(EXPORT_FORMATS)}")
+    """export.formats: converters export has, at least one."""
+    check_choices("export.formats", formats, EXPORT_FORMATS, "format", where, allow_empty=False)
 
 
 def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
