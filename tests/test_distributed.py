@@ -56,10 +56,12 @@ def _train(recipe, run_dir, crash_at):
 def _worker(rank, world, port, recipe, run_dir, crash_at):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    ok = False
     try:
         _train(recipe, run_dir, crash_at)
+        ok = True
     finally:
-        destroy_distributed()
+        destroy_distributed(sync=ok)
 
 
 def run_ranks(world, recipe, run_dir, crash_at=0):

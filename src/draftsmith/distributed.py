@@ -111,6 +111,12 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(sync: bool = True) -> None:
+    """Tear the process group down; with `sync` (the ranks ended normally) after a barrier, so no rank
+    closes its connections while another still works (a rank that returned first and tore gloo down
+    was aborted now and then: "terminate called without an active exception"). After an error, no
+    barrier: the other ranks may never reach it."""
     if dist.is_initialized():
+        if sync:
+            dist.barrier()
         dist.destroy_process_group()
