@@ -147,6 +147,14 @@ def _read_recipe(run_dir: Path) -> dict:
     return r if isinstance(r, dict) else {}
 
 
+def _token_counts(m: dict) -> Optional[str]:
+    """A data stage's "tokens (loss tokens)", or None where its manifest has no counts."""
+    c = m["counts"]
+    if c.get("tokens") is None or c.get("loss_tokens") is None:
+        return None
+    return f"{c['tokens']:,} ({c['loss_tokens']:,})"
+
+
 def _engine_fact(e: Optional[dict]) -> Optional[str]:
     """train's metrics.heldout.engine: the best drafter's τ measured by the engine on held-out prompts."""
     if not e:
@@ -426,13 +434,9 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
     figures = [
         ("prepare", "conversations kept / read", lambda m: f"{m['counts'].get('kept')} / {m['counts'].get('read')}"
          if m["counts"].get("read") is not None else None, "counts.kept, counts.read"),
-        ("prepare", "training tokens (loss tokens)",
-         lambda m: f"{m['counts'].get('tokens'):,} ({m['counts'].get('loss_tokens'):,})"
-         if m["counts"].get("tokens") is not None and m["counts"].get("loss_tokens") is not None else None,
-         "counts.tokens, counts.loss_tokens"),
+        ("prepare", "training tokens (loss tokens)", _token_counts, "counts.tokens, counts.loss_tokens"),
         ("regenerate", "regenerated conversations kept / tokens (loss tokens): what training read",
-         lambda m: f"{m['counts'].get('kept')} / {m['counts'].get('tokens'):,} ({m['counts'].get('loss_tokens'):,})"
-         if m["counts"].get("tokens") is not None and m["counts"].get("loss_tokens") is not None else None,
+         lambda m: f"{m['counts'].get('kept')} / {t}" if (t := _token_counts(m)) else None,
          "counts.kept, counts.tokens, counts.loss_tokens"),
         ("capture", "aux layers captured", lambda m: m.get("aux_layer_ids"), "aux_layer_ids"),
         ("capture", "capture bytes per token", lambda m: m.get("bytes_per_token"), "bytes_per_token"),
