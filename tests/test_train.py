@@ -581,3 +581,18 @@ def test_batch_layouts(monkeypatch):
         assert not padded.aux_hidden[r, n:].any() and not padded.final_hidden[r, n:].any()
         c += n
     assert not packed.input_ids[0, 17:].any() and not packed.aux_hidden[0, 17:].any() and not packed.final_hidden[0, 17:].any()
+
+
+def test_engine_tau_without_a_round_is_skipped(monkeypatch):
+    """Answers that all end at their first token leave no round to measure: recorded as skipped (the
+    end-of-training log formats tau_chain, which would be None)."""
+    from types import SimpleNamespace
+
+    import draftsmith.train.heldout as heldout
+    from draftsmith.config import EvaluateConfig
+
+    stats = SimpleNamespace(emitted_per_round=[], rounds=0)
+    monkeypatch.setattr(heldout, "prompt_budget", lambda *a: None)
+    monkeypatch.setattr(heldout, "run_method", lambda *a, **k: ([[2]], [stats], 0.0))
+    rec = heldout.engine_tau(None, None, [("a", [5, 6]), ("b", [7])], 8, 2, EvaluateConfig(), [2])
+    assert rec == {"skipped": "no speculative round ran on 2 held-out prompt(s): each answer ended at its first token"}

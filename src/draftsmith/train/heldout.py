@@ -207,7 +207,9 @@ def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[i
         _, [stats], _ = run_method(target, drafter, "eagle3_chain", [ids], cfg, eos_ids)
         emitted += sum(stats.emitted_per_round)
         rounds += stats.rounds
-    return {"tau_chain": emitted / rounds if rounds else None, "prompts": len(used), "depth": depth,
+    if not rounds:  # every answer ended at the token prefill gave: no round to measure
+        return {"skipped": f"no speculative round ran on {len(used)} held-out prompt(s): each answer ended at its first token"}
+    return {"tau_chain": emitted / rounds, "prompts": len(used), "depth": depth,
             "max_new_tokens": ENGINE_MAX_NEW_TOKENS, "emitted": emitted, "rounds": rounds,
             "conversations": [key for key, _ in used]}
 
