@@ -222,6 +222,27 @@ def accept_profile(stats, depth: int) -> list[float]:
     return out
 
 
+def kernel_profile(fn, per: int, top: int = 15) -> dict:
+    """Where one step's GPU time goes: torch.profiler over fn() (already warmed up), the CUDA kernels
+    grouped by name, divided by `per` (the steps or rounds fn runs): per-step milliseconds, launches per
+    step, and the share of the kernels' total; the top `top` by time, and the sums."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append((e.key, us / 1000 / per, e.count / per))
+    total = sum(ms for _, ms, _ in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+    return {"kernel_ms_per_step": round(total, 4), "launches_per_step": round(sum(n for _, _, n in rows), 1),
+            "top": [{"kernel": k[:120], "ms": round(ms, 4), "launches": round(n, 2), "share": round(ms / total, 4)}
+                    for k, ms, n in rows[:top]]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny dims on the CPU (float32, static caches): a smoke run")
@@ -229,7 +250,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=int, default=3, help="tokens per round the oracle makes happen (accepted drafts + 1)")
     ap.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--methods", nargs="+", default=["chain", "tree"], choices=["chain", "tree"])
-    ap.add_argument("--loops", nargs="+", default=["resident", "host"], choices=["resident", "host"])
+    ap.add_argument("--loops", nargs="+", default=["resident", "host"], choices=["resident", "host", "compiled"],
+                    help="compiled: resident rounds with evaluate.compile_round on (the round's pure parts by inductor)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the batch-1 runs: the top CUDA kernels of one plain step and one round per method and loop")
     ap.add_argument("--draft_steps", type=int, default=5, help="chain k and tree depth (evaluate's defaults)")
     ap.add_argument("--tree_topk", type=int, default=4)
     ap.add_argument("--tree_budget", type=int, default=16)
@@ -302,6 +326,8 @@ def main(argv=None) -> int:
                "plain_tokens_per_s": round(tok_s, 1), "plain_ms_per_step": round(1000 * plain_s / max_new, 4),
                "roofline": roof, "methods": {}}
         result[f"plain_bw_fraction_{name}_bs{B}"] = round(roof["fraction_of_measured_bw"], 4)
+        if a.profile and cuda and B == 1:
+            row["profile"] = kernel_profile(lambda: ft.plain(prompts, max_new), max_new - 1)
         print(f"[bench_engine] batch {B}: plain {tok_s:.1f} tok/s ({row['plain_ms_per_step']:.3f} ms/step, "
               f"{roof['fraction_of_measured_bw']:.2f} of the measured bandwidth limit)", flush=True)
         for method in a.methods:
@@ -313,7 +339,8 @@ def main(argv=None) -> int:
 
                 def run():
                     prop = OracleEagle(drafter, table, a.tau, V, topk=K, budget=budget, fast=fd)
-                    return generate(target, prop, prompts, max_new, depth=D, fast=ft, resident=loop == "resident")
+                    return generate(target, prop, prompts, max_new, depth=D, fast=ft, resident=loop != "host",
+                                    compile_round=loop == "compiled")
 
                 fill(table, [p + r for p, r in zip(prompts, ref)])
                 first, _ = run()                                  # warm-up: graphs captured
@@ -334,7 +361,9 @@ def main(argv=None) -> int:
                     "speedup": round(speedup, 4), "engine_eff": round(speedup / tau, 4),
                     "speedup_over_tau_set": round(speedup / a.tau, 4),
                     "equal_to_plain": f"{sum(x == y for x, y in zip(new, ref))}/{B}"}
-                result[f"engine_eff_{name}_bs{B}_{method}{'' if loop == 'resident' else '_host'}"] = r["engine_eff"]
+                result[f"engine_eff_{name}_bs{B}_{method}{'' if loop == 'resident' else '_' + loop}"] = r["engine_eff"]
+                if a.profile and cuda and B == 1:
+                    r["profile"] = kernel_profile(lambda: run(), rounds)
                 print(f"[bench_engine] batch {B} {method} {loop}: tau {tau:.3f}, x{speedup:.3f}, "
                       f"eff {r['engine_eff']:.3f}, {r['ms_per_round']:.3f} ms/round", flush=True)
         result["runs"][str(B)] = row

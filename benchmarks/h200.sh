@@ -102,7 +102,7 @@ for s in $STEPS; do case $s in
                -p no:cacheprovider ;;
   resident)  step resident "${RESIDENT_LIMIT:-200}" python3 benchmarks/bench_resident.py benchmarks/recipes/h200.yaml \
                ${RESIDENT_ARGS:-} --out "$OUT/bench_resident.json" ;;
-  residenttests) step residenttests "${RT_LIMIT:-240}" python3 -m pytest -q tests/test_resident.py tests/test_fast.py \
+  residenttests) step residenttests "${RT_LIMIT:-240}" python3 -m pytest -q tests/test_resident.py tests/test_fast.py -k "${RT_K:-}" \
                -p no:cacheprovider ;;
   gputests)  step gputests "${GPUTESTS_LIMIT:-90}" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
   fasttests) step fasttests "${FASTTESTS_LIMIT:-240}" python3 -m pytest -q tests/test_fast.py -p no:cacheprovider -k "${FASTTESTS_K:-}" ;;

@@ -24,6 +24,7 @@ from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
 from test_engine import PROMPTS, fit_head, make_drafter, teacher_forced
+from test_fast import fast_mode
 
 K = 4          # chain length
 NEW = 24       # new tokens per prompt
@@ -73,14 +74,17 @@ def cpu_pair(tmp_path_factory):
     return build("cpu", tmp_path_factory)
 
 
-@pytest.mark.parametrize("path", ["eager", "static", "static-resident"])
-def test_rounds_match_teacher_forcing_cpu(cpu_pair, path):
+@pytest.mark.parametrize("path", ["eager", "static", "static-resident", "emulated", "emulated-resident"])
+def test_rounds_match_teacher_forcing_cpu(cpu_pair, path, monkeypatch):
+    """emulated: the graphs mode with CUDA-graph capture emulated on the CPU (test_fast.fast_mode)."""
     target, drafter, seqs = cpu_pair
     if path == "eager":
         check(target, drafter, seqs)
     else:
-        check(target, drafter, seqs, FastTarget(target, "static"), FastDraft(drafter, graphs=False),
-              resident=path.endswith("resident"))
+        mode = fast_mode(path.split("-")[0], monkeypatch)
+        ft, fd = FastTarget(target, mode), FastDraft(drafter, graphs=mode == "graphs")
+        for _ in range(2):  # the second time replays what the first captured
+            check(target, drafter, seqs, ft, fd, resident=path.endswith("resident"))
 
 
 def test_a_wrong_teacher_forcing_is_caught(cpu_pair):

@@ -1,7 +1,9 @@
 """Fast paths (static KV caches, CUDA graphs): lossless against plain eager greedy decoding.
 
-On a CPU only the `static` mode runs (same caches and bookkeeping, no graphs); on a CUDA machine the
-same tests also run `graphs` and `compile` (benchmarks/h200.sh runs this file there)."""
+On a CPU the `static` mode runs (same caches and bookkeeping, no graphs) and `emulated`: the graphs
+mode with CUDA-graph capture emulated (emulated_capture: every captured function runs as often as
+under CUDA graphs, and once more); on a CUDA machine the same tests also run `graphs` and `compile`
+(benchmarks/h200.sh runs this file there)."""
 from __future__ import annotations
 
 import pytest
@@ -24,8 +26,49 @@ from test_engine import PROMPTS, OracleProposer, fitted_drafter, make_drafter
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-MODES = ["static"] + (["graphs", "compile"] if CUDA else [])  # compile last: it patches the model in place
-SPEC_MODES = MODES[:2]  # compile recompiles per row count: covered by the plain test, too slow here
+MODES = ["static", "emulated"] + (["graphs", "compile"] if CUDA else [])  # compile last: it patches the model in place
+SPEC_MODES = MODES[:3]  # compile recompiles per row count: covered by the plain test, too slow here
+
+
+class EmulatedGraph:
+    """torch.cuda.CUDAGraph's replay on a CPU: the captured call runs again and its outputs are
+    written into the captured call's output tensors (which callers hold, as they hold a graph's)."""
+
+    def __init__(self, fn, args, out):
+        self.fn, self.args, self.out = fn, args, out
+
+    def replay(self):
+        new = self.fn(*self.args)
+        for o, n in zip(torch.utils._pytree.tree_leaves(self.out), torch.utils._pytree.tree_leaves(new)):
+            if isinstance(o, torch.Tensor):
+                o.copy_(n)
+
+
+def emulated_capture(fn, args=(), state=None):
+    """speculate.cache.capture without a GPU: the warm-up call for real (its advance of `state`
+    undone), then the capture, which a CUDA graph records without running: here it runs, and is
+    undone in `state` too. A captured function thus runs once more than under CUDA graphs, so one
+    that is not safe to run again (a warm-up moving cache columns twice) fails here as on a GPU."""
+    saved = {k: v.clone() for k, v in (state or {}).items()}
+
+    def call():
+        try:
+            return fn(*args)
+        finally:
+            for k, v in saved.items():
+                state[k].copy_(v)
+    call()
+    out = call()
+    return EmulatedGraph(fn, args, out), out
+
+
+def fast_mode(mode: str, monkeypatch) -> str:
+    """The FastTarget mode a test parameter stands for: `emulated` is `graphs` with emulated_capture."""
+    if mode != "emulated":
+        return mode
+    for module in ("cache", "fast", "resident"):
+        monkeypatch.setattr(f"draftsmith.speculate.{module}.capture", emulated_capture)
+    return "graphs"
 
 
 @pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
@@ -47,7 +90,8 @@ def fitted(target):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fast_plain_equals_eager_plain(target, plains, mode):
+def test_fast_plain_equals_eager_plain(target, plains, mode, monkeypatch):
+    mode = fast_mode(mode, monkeypatch)
     ft = FastTarget(target, mode, max_len=16)  # too small on purpose: prefill grows it
     for p, ref in zip(PROMPTS, plains):
         assert ft.plain([p], 24) == [ref]
@@ -58,7 +102,8 @@ def test_fast_plain_equals_eager_plain(target, plains, mode):
 
 @pytest.mark.parametrize("mode", SPEC_MODES)
 @pytest.mark.parametrize("method", ["chain", "tree", "ngram", "oracle"])
-def test_fast_speculative_lossless(target, plains, fitted, mode, method):
+def test_fast_speculative_lossless(target, plains, fitted, mode, monkeypatch, method):
+    mode = fast_mode(mode, monkeypatch)
     ft = FastTarget(target, mode)
     drafter = fitted
     fd = FastDraft(drafter, graphs=mode != "static")

@@ -4,7 +4,8 @@ tokens and the same per-round statistics as the engine's host loop, and both equ
 The drafts come from an oracle `expand` (tensor ops over the plain continuation, with planted
 misses and a tree whose true child is not always the first), so rounds accept 0..depth drafts,
 trees are cut by the budget and by the token budget, and sequences of a batch finish apart.
-On a CPU the `static` mode runs; on a CUDA machine `graphs` too (one CUDA graph per round)."""
+On a CPU the `static` and `emulated` modes run (emulated: graphs with CUDA-graph capture emulated, test_fast.fast_mode);
+on a CUDA machine `graphs` too (one CUDA graph per round)."""
 from __future__ import annotations
 
 import pytest
@@ -17,11 +18,11 @@ from draftsmith.speculate.fast import FastTarget
 from draftsmith.speculate.resident import PARTS
 
 from test_engine import PROMPTS, make_drafter
-from test_fast import fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
+from test_fast import fast_mode, fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-MODES = ["static"] + (["graphs"] if CUDA else [])
+MODES = ["static", "emulated"] + (["graphs"] if CUDA else [])  # emulated: test_fast.fast_mode
 
 
 class OracleEagle(Eagle3Proposer):
@@ -74,7 +75,8 @@ def _times_off(st) -> dict:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("topk,budget,depth", [(1, 4, 4), (3, 8, 4), (2, 12, 3), (2, 3, 5), (8, 64, 4)])
-def test_resident_equals_host_loop_and_plain(target, plains, mode, topk, budget, depth):
+def test_resident_equals_host_loop_and_plain(target, plains, mode, monkeypatch, topk, budget, depth):
+    mode = fast_mode(mode, monkeypatch)
     ft = FastTarget(target, mode)
     drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
     fd = FastDraft(drafter, graphs=mode != "static")
@@ -98,9 +100,10 @@ def test_resident_equals_host_loop_and_plain(target, plains, mode, topk, budget,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_resident_with_a_real_drafter_equals_plain(target, plains, fitted, mode):
+def test_resident_with_a_real_drafter_equals_plain(target, plains, fitted, mode, monkeypatch):
     """A real drafter through the real expansion: random linears, a head fitted to these continuations
     (test_engine.fitted_drafter), so its drafts are accepted at several depths."""
+    mode = fast_mode(mode, monkeypatch)
     ft = FastTarget(target, mode)
     drafter = fitted
     accepted = []
@@ -119,12 +122,13 @@ def test_resident_with_a_real_drafter_equals_plain(target, plains, fitted, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_compiled_round_equals_host_loop(target, plains, mode):
+def test_compiled_round_equals_host_loop(target, plains, mode, monkeypatch):
     """compile_round: the round's pure parts compiled by inductor (on a CPU too) give the host loop's
     tokens and every per-round statistic, bit for bit. One shape (compiling takes tens of seconds on
     a CPU), the DeepSeek-V3 target: a batch whose sequences finish apart, one at EOS."""
     if target.model.config.model_type != "deepseek_v3":
         pytest.skip("one target is enough here: compiling the round's parts dominates this test's time")
+    mode = fast_mode(mode, monkeypatch)
     ft = FastTarget(target, mode)
     drafter = make_drafter(target, draft_vocab=200, seed=1).to(DEVICE)
     fd = FastDraft(drafter, graphs=mode != "static")

@@ -11,6 +11,7 @@ from draftsmith.artifacts import DraftsmithError
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config
 from draftsmith.draft.model import DraftKVCache, Eagle3Drafter
+from draftsmith.draft import rope
 from draftsmith.draft.rope import rope_cos_sin
 
 SCALINGS = {
@@ -63,3 +64,19 @@ def test_dynamic_rope_is_refused():
     cfg = drafter_config(target_config({"rope_type": "dynamic", "factor": 2.0}), DraftConfig(), 32, [1, 2, 3])
     with pytest.raises(DraftsmithError, match="dynamic"):
         rope_cos_sin(torch.arange(4)[None], cfg, torch.float32)
+
+
+def test_tables_made_under_inference_mode_serve_training():
+    """The process-wide tables, first made by an engine's forward under torch.inference_mode, are
+    ordinary tensors: a training step after it may save them for backward (on the H200 a compiled
+    TTT loss failed with 'Inference tensors cannot be saved for backward' after a decoding test)."""
+    cfg = drafter_config(target_config(None), DraftConfig(), 32, [1, 2, 3])
+    cfg.rope_theta = 12345.0  # a setting no other test made: the table is made here, under inference mode
+    pos = torch.arange(6)[None]
+    with torch.inference_mode():
+        rope_cos_sin(pos, cfg, torch.float32)
+    assert not any(t.is_inference() for t, _ in rope._TABLES.values())
+    x = torch.randn(1, 6, cfg.head_dim, requires_grad=True)
+    cos, sin = rope_cos_sin(pos, cfg, torch.float32)
+    (x * cos + x * sin).sum().backward()
+    assert x.grad is not None

@@ -26,7 +26,10 @@ def rope_type(scaling: Optional[dict]) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default")))
 
 
+# The tables are cached for the process: made under torch.inference_mode (an engine's first forward)
+# they would be inference tensors, which a later training step may not save for backward.
 @functools.lru_cache(maxsize=16)
+@torch.inference_mode(False)
 def _inv_freq(head_dim: int, theta: float, scaling_json: str, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     # why here: transformers takes seconds to import; only a scaled rope needs its init functions
     from transformers import LlamaConfig
@@ -56,6 +59,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
 
 
 @functools.lru_cache(maxsize=16)
+@torch.inference_mode(False)
 def _inv_freq_on(head_dim: int, theta: float, scaling_json: str, max_position_embeddings: int,
                  device: str) -> tuple[torch.Tensor, float]:
     """_inv_freq, already on `device` (no host-to-device copy per call: CUDA graphs capture the

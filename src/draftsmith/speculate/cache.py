@@ -99,10 +99,17 @@ class Graphed:
         self.fn, self.enabled, self.max_rows = fn, enabled, max_rows
         self.graphs: dict[tuple, tuple] = {}
 
+    def key(self, xs: Sequence[torch.Tensor]) -> tuple:
+        return tuple((tuple(x.shape), x.dtype) for x in xs)
+
+    def captured(self, *xs: torch.Tensor) -> bool:
+        """Whether a call of these shapes replays (or runs eagerly) without a capture first."""
+        return not self.enabled or self.key(xs) in self.graphs
+
     def __call__(self, *xs: torch.Tensor):
         if not self.enabled or (xs[0].dim() > 1 and xs[0].shape[1] > self.max_rows):
             return self.fn(*xs)
-        key = tuple((tuple(x.shape), x.dtype) for x in xs)
+        key = self.key(xs)
         entry = self.graphs.get(key, False)
         if entry is False:
             try:
