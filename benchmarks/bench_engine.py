@@ -264,6 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget_s", type=float, default=170.0, help="start no new configuration after this many seconds")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (GPU), float32 (CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no_cudnn_sdpa", action="store_true",
+                    help="torch's cuDNN attention backend off (SDPA picks flash / memory-efficient / math instead)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     name = "small" if a.small else "8b"
@@ -276,6 +278,8 @@ def main(argv=None) -> int:
         print("bench_engine: the 8B-shaped pair needs a CUDA GPU; run with --small for the CPU smoke", file=sys.stderr)
         return 2
     dev = torch.device("cuda" if cuda else "cpu")
+    if a.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if cuda else torch.float32)
     mode = a.fast or ("graphs" if cuda else "static")
     P = a.prompt_len or (128 if not a.small else 12)
@@ -301,7 +305,7 @@ def main(argv=None) -> int:
     fwd1 = costs["target_forward_ms"]["1"]
     result = {"config": name, "dims": dims, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "dtype": str(dtype).replace("torch.", ""), "path": runners.mode, "torch": torch.__version__,
-              "tau_set": a.tau, "prompt_len": P, "max_new_tokens": max_new, "draft_steps": D,
+              "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "tau_set": a.tau, "prompt_len": P, "max_new_tokens": max_new, "draft_steps": D,
               "tree": {"topk": a.tree_topk, "budget": a.tree_budget, "depth": D},
               "tau_expected": round((max_new - 1) / math.ceil((max_new - 1) / a.tau), 4),
               "step_costs": costs, "build_s": round(t_built, 1), "runs": {}, "skipped": []}
