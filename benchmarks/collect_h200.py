@@ -2,6 +2,8 @@
 
     python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver            # print
     python benchmarks/collect_h200.py benchmarks/results/h200-2026-12-03-driver3 --out benchmarks/results/h200.json
+    python benchmarks/collect_h200.py RUN_A RUN_B --out ...   # several runs: a file in a later one replaces the earlier's
+
 
 Reads the files benchmarks/h200.sh leaves in $OUT, each under its own name or with a call's
 prefix (`B-fp8_eval_results.json`; see BENCHMARKS.md for the calls): eval_results.json (the
@@ -29,19 +31,29 @@ def r3(x: float) -> float:
     return round(float(x), 3)
 
 
-def find(d: Path, name: str) -> Path | None:
-    """`name` in d, or the one file named PREFIX-name (a call's copy)."""
-    hits = [p for p in sorted(d.iterdir()) if p.name == name or p.name.endswith("-" + name)]
-    if len(hits) > 1:
-        sys.exit(f"{d}: several files named {name}: {', '.join(p.name for p in hits)}; keep one")
-    return hits[0] if hits else None
+def find(dirs: list[Path], name: str) -> Path | None:
+    """`name`, or the one file named PREFIX-name (a call's copy), in the last of `dirs` that holds one."""
+    for d in reversed(dirs):
+        hits = [p for p in sorted(d.iterdir()) if p.name == name or p.name.endswith("-" + name)]
+        if len(hits) > 1:
+            sys.exit(f"{d}: several files named {name}: {', '.join(p.name for p in hits)}; keep one")
+        if hits:
+            return hits[0]
+    return None
 
 
-def collect(d: Path) -> dict:
+def collect(dirs: list[Path], used: dict | None = None) -> dict:
+    """The figures from the files of one run, or of several (a file in a later run replaces the
+    earlier's); `used` gets each file read by name."""
+    used = {} if used is None else used
+
     def path(name: str, required: bool = True) -> Path | None:
-        p = find(d, name)
+        p = find(dirs, name)
         if p is None and required:
-            sys.exit(f"{d}: no {name} (nor PREFIX-{name}); run the driver step that writes it (benchmarks/h200.sh)")
+            sys.exit(f"{' '.join(map(str, dirs))}: no {name} (nor PREFIX-{name}); run the driver step that writes it "
+                     "(benchmarks/h200.sh)")
+        if p is not None:
+            used[name] = p.as_posix()
         return p
 
     def load(name: str, required: bool = True):
@@ -155,15 +167,19 @@ def collect(d: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("run_dirs", type=Path, nargs="+", help="one run's folder, or several (later ones' files win)")
     ap.add_argument("--out", type=Path, help="write the figures to this JSON file (replaced whole: every key in it comes "
                                             "from this script over one run's files, with the run in `_source`)")
     a = ap.parse_args()
-    if not a.run_dir.is_dir():
-        sys.exit(f"{a.run_dir}: no such directory; give the folder holding a driver run's files")
-    figures = {"_source": {"run_dir": a.run_dir.as_posix(),
-                           "command": f"python benchmarks/collect_h200.py {a.run_dir.as_posix()} --out {a.out.as_posix()}"
-                           if a.out else None}, **collect(a.run_dir)}
+    for d in a.run_dirs:
+        if not d.is_dir():
+            sys.exit(f"{d}: no such directory; give the folder holding a driver run's files")
+    used: dict = {}
+    got = collect(a.run_dirs, used)
+    dirs = " ".join(d.as_posix() for d in a.run_dirs)
+    figures = {"_source": {"run_dirs": [d.as_posix() for d in a.run_dirs], "files": used,
+                           "command": f"python benchmarks/collect_h200.py {dirs} --out {a.out.as_posix()}" if a.out else None},
+               **got}
     if a.out:
         atomic_write_text(a.out, json.dumps(figures, indent=1) + "\n")  # a kill leaves the old file or the new one
     print(json.dumps(figures, indent=1))

@@ -1,6 +1,6 @@
 """Figures with a source (issue 21 item 9): every key of benchmarks/results/h200.json is what
-benchmarks/collect_h200.py computes from the run folder its `_source` names; figures no script
-recomputes live in h200-history.json, apart."""
+benchmarks/collect_h200.py computes from the run folders its `_source` names (and from the very
+files it lists); figures no script recomputes live in h200-history.json, apart."""
 import importlib.util
 import json
 from pathlib import Path
@@ -19,8 +19,10 @@ def collect_module():
 def test_every_headline_figure_is_recomputed_from_its_run():
     data = json.loads((RESULTS / "h200.json").read_text())
     source = data.pop("_source")
-    figures = collect_module().collect(ROOT / source["run_dir"])
+    used: dict = {}
+    figures = collect_module().collect([ROOT / d for d in source["run_dirs"]], used)
     assert json.loads(json.dumps(figures)) == data
+    assert {k: Path(v).relative_to(ROOT).as_posix() for k, v in used.items()} == source["files"]
 
 
 def test_history_is_apart():
