@@ -195,6 +195,31 @@ def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
     assert FastTarget(target, "static").plain(PROMPTS[:2], 8) == ref
 
 
+def test_compiled_drafter_regions_keep_drafts(target, plains):
+    """FastDraft(compile=True) (evaluate.fast: compile) compiles the drafter's pure regions in place:
+    the same drafts as the eager drafter, on a CPU too (the host loop and resident rounds), and the
+    speculative output still equals plain decoding."""
+    pytest.importorskip("torch._inductor")
+    if target.model.config.model_type != "llama":
+        pytest.skip("one target is enough: compiling dominates this test's time")
+    from torch._dynamo.utils import counters
+
+    runs, graphs_before = [], counters["stats"]["unique_graphs"]
+    for compiled in (False, True):
+        drafter = make_drafter(target, draft_vocab=200, seed=5).to(DEVICE)
+        fd = FastDraft(drafter, graphs=False, compile=compiled)
+        assert getattr(drafter, "_compiled_regions", False) is compiled
+        if compiled:
+            assert drafter.compile_regions() is False  # once: a second call does nothing
+        ft = FastTarget(target, "static")
+        runs.append([generate(target, Eagle3Proposer(drafter, topk=k, budget=b, fast=fd), PROMPTS[:2], 16, depth=3,
+                              fast=ft, resident=r) for k, b in ((1, 3), (2, 6)) for r in (False, True)])
+    assert counters["stats"]["unique_graphs"] > graphs_before  # the compiled regions ran
+    for (eager, e_st), (comp, c_st) in zip(*runs):
+        assert eager == comp == [plains[i][:16] for i in range(2)]
+        assert [s.accepted_per_round for s in e_st] == [s.accepted_per_round for s in c_st]
+
+
 def test_auto_falls_back_to_eager_where_the_fast_path_cannot_run(tmp_path, monkeypatch):
     """A target with sliding-window layers (gpt-oss) has no plain static cache: an explicit fast
     mode is a clear error; `auto` (graphs on a GPU, simulated here) falls back to eager decoding."""

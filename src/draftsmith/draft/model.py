@@ -185,6 +185,23 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocab logits of a step's returned hidden state (`output`: already normed under norm_output)."""
         return self.lm_head(h if self.cfg.norm_output else self.norm(h))
 
+    def compile_regions(self) -> bool:
+        """torch.compile, in place, the pure pieces of a decoding step: the norms and concatenation
+        before attention, q/k/v with rope, the o-projection, residual and MLP, the head. Their many
+        small kernels fuse; the cache write and the attention stay eager (nothing that mutates state
+        is traced). For decoding (evaluate.fast: compile); training compiles its whole loss. False
+        when already done."""
+        if getattr(self, "_compiled_regions", False):
+            return False
+        w = self.fc.weight
+        rope_cos_sin(torch.zeros(1, 1, dtype=torch.long, device=w.device), self.cfg, w.dtype)  # its table, eagerly
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        layer.attn_input, layer.finish = torch.compile(layer.attn_input), torch.compile(layer.finish)
+        attn.qkv, attn.out = torch.compile(attn.qkv), torch.compile(attn.out)
+        self.logits = torch.compile(self.logits)
+        self._compiled_regions = True
+        return True
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 

@@ -64,7 +64,7 @@ class DecodeRunners:
             if ft is None:
                 self.mode = "off"
                 return None, None
-            self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs))
+            self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs, compile=ft.mode == "compile"))
         return self._by_batch[batch]
 
 

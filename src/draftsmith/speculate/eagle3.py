@@ -229,8 +229,10 @@ class FastDraft:
     """A drafter's static cache and its graphed step, reused across generations (re-made when
     the batch size changes or the sequence outgrows it)."""
 
-    def __init__(self, drafter: Any, graphs: bool, max_rows: int = 64):
+    def __init__(self, drafter: Any, graphs: bool, max_rows: int = 64, compile: bool = False):
         self.drafter, self.graphs, self.max_rows = drafter, graphs, max_rows
+        if compile:  # evaluate.fast: compile -- the drafter's pure regions too, as the target's (fast.compile_regions)
+            drafter.compile_regions()
         self.cache: Optional[StaticDraftCache] = None
         self.step = Graphed(self._step, graphs, max_rows)
         self.expansions: dict[tuple, Graphed] = {}
