@@ -14,10 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol, Sequence, Union
 
 from .artifacts import DraftsmithError, read_json
 from .compat import mtp_layers
+
+
+def expected_tokens(accept: Sequence[float]) -> float:
+    """Tokens emitted per verification for a chain whose draft i is accepted with probability
+    accept[i] given drafts 0..i-1 were: E = 1 + sum_i prod_{j<=i} a_j. With a_j = alpha this is
+    Leviathan's (1 - alpha^(k+1)) / (1 - alpha). (plan's predictions; train's simulated tau.)"""
+    e, p = 1.0, 1.0
+    for a in accept:
+        p *= a
+        e += p
+    return e
 
 # ----------------------------------------------------------------------------- the target, from config.json
 

@@ -27,20 +27,9 @@ import yaml
 
 from .artifacts import DraftsmithError, atomic_write_json, load_manifest, read_json, stage_dir
 from .config import cli_parser
-from .costmodel import HARDWARE, MeasuredCost, RooflineCost, StepCost, drafter_params, target_spec
+from .costmodel import HARDWARE, MeasuredCost, RooflineCost, StepCost, drafter_params, expected_tokens, target_spec
 
 # ----------------------------------------------------------------------------- acceptance
-
-
-def expected_tokens(accept: Sequence[float]) -> float:
-    """Tokens emitted per verification for a chain whose draft i is accepted with probability
-    accept[i] given drafts 0..i-1 were: E = 1 + sum_i prod_{j<=i} a_j. With a_j = alpha this is
-    Leviathan's (1 - alpha^(k+1)) / (1 - alpha)."""
-    e, p = 1.0, 1.0
-    for a in accept:
-        p *= a
-        e += p
-    return e
 
 
 def leviathan_tokens(alpha: float, k: int) -> float:

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..costmodel import expected_tokens
 from ..draft.model import Eagle3Drafter
 from ..draft.rope import rope_cos_sin
 from ..draft.ttt_attention import TTTMask, resolve_impl
@@ -147,8 +148,4 @@ def simulated_tau(acc: list[float]) -> float:
     The target always yields one token; draft i is accepted only if drafts 0..i were, and
     acc_j (teacher-forced argmax agreement at position j) stands in for the conditional
     acceptance rate. It is an estimate: evaluate measures the real tau."""
-    tau, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        tau += run
-    return tau
+    return expected_tokens(acc)
