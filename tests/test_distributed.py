@@ -1,19 +1,25 @@
 """Training on 2 CPU ranks (gloo, FSDP2) equals training on 1 at the same global batch, and a
-run resumes exactly at another world size. Ranks are torch.multiprocessing spawns."""
+run resumes exactly at another world size; a CLI command tears its process group down once, at
+its end, and the next command in the same process sets up a new one. Ranks are
+torch.multiprocessing spawns."""
 import contextlib
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import draftsmith.train.loop as loop
-from draftsmith.artifacts import read_json
+from draftsmith import cli
+from draftsmith.artifacts import load_manifest, read_json
 from draftsmith.draft.io import load_drafter
 from draftsmith.testing import make_model_dir
 from draftsmith.distributed import destroy_distributed
+from test_pipeline import write_recipe
 from test_train import losses, make_run, toy_samples
 
 # fp32 on CPU: 2 ranks differ from 1 only by the order of float sums (gradient reduce-scatter,
@@ -122,3 +128,108 @@ def test_checkpoint_after_an_eval_that_is_not_the_best(tmp_path, setup):
     assert (run_dir / "train" / "latest").read_text().strip() == "step-000002"
     evals = [json.loads(line) for line in (run_dir / "train" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [1, 2] and evals[0]["tau"] == evals[1]["tau"]
+
+
+
+def _cli_worker(rank, world, port, argv, out_dir):
+    """Rank `rank` runs one CLI command, as a torchrun rank does, and records its exit status, how
+    many process groups it set up, and whether one is still up after it. Its stderr (fd 2, so
+    torch's C++ warnings at exit too) goes to out_dir/stderr-RANK.txt."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    err = os.open(os.path.join(out_dir, f"stderr-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)
+    inits, real_init = [], dist.init_process_group
+
+    def counting_init(*a, **k):
+        inits.append(k.get("backend", a[0] if a else None))
+        return real_init(*a, **k)
+
+    dist.init_process_group = counting_init
+    rc = cli.main(argv)
+    with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
+        json.dump({"rc": rc, "inits": inits, "group_up": dist.is_initialized()}, f)
+
+
+def run_cli_ranks(world, argv, out_dir, timeout_s=600):
+    """`draftsmith ARGV` on `world` ranks (one command per process, as under torchrun); returns
+    (result, stderr text) per rank. A rank left waiting in a collective fails the test after
+    timeout_s instead of hanging it."""
+    out_dir.mkdir()
+    ctx = mp.start_processes(_cli_worker, args=(world, _free_port(), argv, str(out_dir)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=5):
+            assert time.monotonic() < deadline, f"ranks still running after {timeout_s} s"
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    # read after join: a warning at exit (a group never destroyed) is written when the process ends
+    return [(read_json(out_dir / f"result-{r}.json"), (out_dir / f"stderr-{r}.txt").read_text()) for r in range(world)]
+
+
+def check_torn_down(results, rc):
+    for rank, (res, stderr) in enumerate(results):
+        assert res["rc"] == rc, (rank, stderr[-3000:])
+        assert res["inits"] == ["gloo"], res  # one group for the whole command, however many stages use it
+        assert not res["group_up"], rank
+        # NCCL warns at exit about a group never destroyed (and can hang); a rank whose peer tore
+        # gloo down under it aborts ("terminate called ...")
+        assert "has NOT been destroyed" not in stderr and "terminate called" not in stderr, stderr[-3000:]
+
+
+def test_cli_commands_destroy_their_process_group(tmp_path):
+    """Under torchrun (2 gloo ranks): `draftsmith run` (prepare done beforehand) sets up one group,
+    which capture and then train use in the same process, and tears it down when it ends; a
+    command that fails after the group is up (train refuses a batch that does not divide over the
+    ranks: every rank raises, exit 2) tears it down too, without a barrier."""
+    target = make_model_dir(tmp_path / "target", num_layers=4, hidden_size=64)
+    run_dir = tmp_path / "run"
+    recipe = str(write_recipe(tmp_path, target, run_dir, max_steps=4))
+    assert cli.main(["prepare", recipe]) == 0  # prepare is not rank-aware: every rank would write the token shards
+    check_torn_down(run_cli_ranks(2, ["run", recipe], tmp_path / "run-ranks"), rc=0)
+    for stage in ("data", "capture", "vocab", "train", "eval", "export"):
+        assert load_manifest(run_dir / stage)["status"] == "complete", stage
+    assert load_manifest(run_dir / "capture")["world_size"] == 2
+    assert load_manifest(run_dir / "train")["world_size"] == 2
+    # 256 tokens in micro-batches of 256: one micro-batch per step, which 2 ranks cannot share
+    failed = run_cli_ranks(2, ["train", recipe, "--train.micro_batch_tokens", "256"], tmp_path / "fail-ranks")
+    check_torn_down(failed, rc=2)
+    assert all("not a multiple of the world size 2" in stderr for _, stderr in failed)
+    assert load_manifest(run_dir / "train")["status"] == "complete"  # the refused run put the complete output back
+
+
+def test_cli_command_on_one_process_needs_no_group(tmp_path):
+    """No torchrun environment: the stages that call init_distributed run without a process group,
+    and the CLI's teardown has nothing to do."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        assert var not in os.environ
+    target = make_model_dir(tmp_path / "target", num_layers=4, hidden_size=64)
+    recipe = str(write_recipe(tmp_path, target, tmp_path / "run", max_steps=2))
+    for stage in ("prepare", "capture", "vocab", "train"):
+        assert cli.main([stage, recipe]) == 0, stage
+        assert not dist.is_initialized()
+    assert load_manifest(tmp_path / "run" / "train")["world_size"] == 1
+
+
+def test_a_group_set_up_before_the_command_is_left_to_its_owner(tmp_path):
+    """process_group_scope tears down only a group that came up inside it: a caller's own group
+    (here a 1-rank gloo group) is still up after the scope, after an error too."""
+    from draftsmith.distributed import process_group_scope
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with process_group_scope():
+            dist.barrier()
+        assert dist.is_initialized()
+        with pytest.raises(ValueError), process_group_scope():
+            raise ValueError
+        assert dist.is_initialized()
+    finally:
+        destroy_distributed(sync=False)
+    assert not dist.is_initialized()
+    with process_group_scope():  # a group set up inside the scope goes with it
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
+    assert not dist.is_initialized()

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if command not in (*RECIPE_COMMANDS, "-h", "--help", "help"):
             raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_HELP))}")
         # why here: the stage table imports every stage, and with them torch (~1.5 s)
-        from . import pipeline, status
+        from . import distributed, pipeline, status
 
         stage_help = {name: stage.help for name, stage in pipeline.STAGE_TABLE.items()}
         if command in ("-h", "--help", "help"):
@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         wait_lock = "--wait-lock" in rest  # wait for another process's stage in this run directory, not fail
         rest = [a for a in rest if a != "--wait-lock"]
         recipe, force = parse_recipe(rest, prog=f"draftsmith {command}")
-        if command == "run":
-            pipeline.run_all(recipe, force=force, wait_lock=wait_lock)
-            print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
-        else:
-            pipeline.run_stage(command, recipe, force=force, wait_lock=wait_lock)
+        with distributed.process_group_scope():  # under torchrun: one group for all the stages, torn down at the end
+            if command == "run":
+                pipeline.run_all(recipe, force=force, wait_lock=wait_lock)
+                print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
+            else:
+                pipeline.run_stage(command, recipe, force=force, wait_lock=wait_lock)
         return 0
     except DraftsmithError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)

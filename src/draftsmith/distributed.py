@@ -4,13 +4,15 @@ training), and FSDP2 applied from outside the model, for 1..N ranks.
 `init_distributed()` reads torchrun's environment (artifacts.torchrun_ranks: RANK, WORLD_SIZE,
 LOCAL_RANK; MASTER_ADDR/PORT via env://); without it the world is one process and no process group
 is created. `parallelize()` shards a module with FSDP2 (`fully_shard`) at world size > 1 and
-returns it unchanged at world size 1: the training loop is the same code either way. See
-docs/distributed.md.
+returns it unchanged at world size 1: the training loop is the same code either way.
+`process_group_scope()` owns the group's end: the CLI wraps each recipe command in it, so the
+group lives from the first stage that needs it to the end of the command. See docs/distributed.md.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -115,8 +117,27 @@ def destroy_distributed(sync: bool = True) -> None:
     """Tear the process group down; with `sync` (the ranks ended normally) after a barrier, so no rank
     closes its connections while another still works (a rank that returned first and tore gloo down
     was aborted now and then: "terminate called without an active exception"). After an error, no
-    barrier: the other ranks may never reach it."""
+    barrier: the other ranks may never reach it. The group goes even when the barrier fails."""
     if dist.is_initialized():
-        if sync:
-            dist.barrier()
-        dist.destroy_process_group()
+        try:
+            if sync:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group_scope() -> Iterator[None]:
+    """The lifetime of the process group that a command's stages set up (init_distributed is
+    idempotent, so capture, train and online training share one group): torn down once when the
+    command ends, after a barrier when it succeeded, without one after an error or an interrupt
+    (the other ranks may never reach it). A group that was up before the scope is left alone:
+    whoever created it owns it. World size 1 (no group): nothing to do."""
+    owned = not dist.is_initialized()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if owned:
+            destroy_distributed(sync=ok)
