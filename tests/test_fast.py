@@ -3,7 +3,8 @@
 On a CPU the `static` mode runs (same caches and bookkeeping, no graphs) and `emulated`: the graphs
 mode with CUDA-graph capture emulated (emulated_capture: every captured function runs as often as
 under CUDA graphs, and once more); on a CUDA machine the same tests also run `graphs` and `compile`
-(benchmarks/h200.sh runs this file there)."""
+(benchmarks/h200.sh runs this file there). In both graphed modes a test fails when a capture fell
+back to eager (tests/conftest.py reads speculate.cache.CAPTURE_FALLBACKS): it would pass without a graph."""
 from __future__ import annotations
 
 import functools
