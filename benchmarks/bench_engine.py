@@ -45,7 +45,9 @@ engine_eff_8b_bs{1,4,16}_{chain,tree}, plain_bw_fraction_8b_bs{1,4,16}, drafter_
 planner_max_abs_err_pct (over both methods and every batch size measured, resident loop; the tree's
 alone: planner_tree_max_abs_err_pct; the old batch-1 planner's: planner_bs1_max_abs_err_pct), plus raw
 timings under "runs". With --small the `8b` in every key is `small`. --budget_s stops starting new
-configurations once spent (what ran is written; the rest is listed in "skipped").
+configurations once spent (what ran is written; the rest is listed in "skipped"). capture_fallbacks: every
+CUDA-graph capture of this run that failed, so that call ran eagerly (speculate.cache.CAPTURE_FALLBACKS;
+empty when every graph was captured; a non-empty list means those figures are not the graphed path's).
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ from draftsmith.draft.model import Eagle3Drafter  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline, measure_step_costs  # noqa: E402
 from draftsmith.evaluate.measure import DecodeRunners, timed  # noqa: E402
 from draftsmith.plan import predict  # noqa: E402
+from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer  # noqa: E402
 from draftsmith.speculate.engine import generate  # noqa: E402
 from draftsmith.target.model import Target  # noqa: E402
@@ -268,6 +271,7 @@ def main(argv=None) -> int:
                     help="torch's cuDNN attention backend off (SDPA picks flash / memory-efficient / math instead)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
+    n_fallbacks = len(CAPTURE_FALLBACKS)  # this run's captures that fell back to eager: CAPTURE_FALLBACKS[n_fallbacks:]
     name = "small" if a.small else "8b"
     dims = CONFIGS[name]
     if a.tau < 1 or a.tau > a.draft_steps + 1:
@@ -308,7 +312,8 @@ def main(argv=None) -> int:
               "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "tau_set": a.tau, "prompt_len": P, "max_new_tokens": max_new, "draft_steps": D,
               "tree": {"topk": a.tree_topk, "budget": a.tree_budget, "depth": D},
               "tau_expected": round((max_new - 1) / math.ceil((max_new - 1) / a.tau), 4),
-              "step_costs": costs, "build_s": round(t_built, 1), "runs": {}, "skipped": []}
+              "step_costs": costs, "build_s": round(t_built, 1), "runs": {}, "skipped": [],
+              "capture_fallbacks": CAPTURE_FALLBACKS[n_fallbacks:]}
     result[f"drafter_step_over_target_{name}"] = round(costs["draft_step_ms"] / fwd1, 4)
     print(f"[bench_engine] target forward {fwd1:.3f} ms (1 token), drafter step {costs['draft_step_ms']:.3f} ms "
           f"({result[f'drafter_step_over_target_{name}']:.3f} of it)", flush=True)
@@ -371,6 +376,7 @@ def main(argv=None) -> int:
                 print(f"[bench_engine] batch {B} {method} {loop}: tau {tau:.3f}, x{speedup:.3f}, "
                       f"eff {r['engine_eff']:.3f}, {r['ms_per_round']:.3f} ms/round", flush=True)
         result["runs"][str(B)] = row
+        result["capture_fallbacks"] = CAPTURE_FALLBACKS[n_fallbacks:]
         if a.out:  # what ran so far survives a kill past the step's time limit (the planner comes at the end)
             atomic_write_json(a.out, result)
 
@@ -433,6 +439,10 @@ def main(argv=None) -> int:
     if tree_errs:
         result["planner_tree_max_abs_err_pct"] = round(max(abs(e) for e in tree_errs.values()), 2)
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    result["capture_fallbacks"] = CAPTURE_FALLBACKS[n_fallbacks:]
+    if result["capture_fallbacks"]:
+        print(f"[bench_engine] WARNING: {len(result['capture_fallbacks'])} CUDA-graph capture(s) fell back to eager; "
+              "those calls' timings are eager ones (capture_fallbacks in the JSON)", flush=True)
     if a.out:
         atomic_write_json(a.out, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "step_costs", "dims")}, indent=1))

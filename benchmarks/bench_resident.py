@@ -1,7 +1,8 @@
 """Resident rounds against the host loop, in one process: the same target, drafter, prompts and
 decoding path; per batch size and method, tau, speedup over plain decoding and ms per round of
 both loops. Each batch of prompts runs plain, then every (method, loop) pair, so drift hits all
-alike; outputs are compared with plain decoding (greedy).
+alike; outputs are compared with plain decoding (greedy). `capture_fallbacks` in the JSON lists every
+CUDA-graph capture that failed and ran eagerly instead (empty when every graph was captured).
 
     python benchmarks/bench_resident.py RECIPE.yaml --out bench_resident.json       # the GPU figures
     python benchmarks/bench_resident.py recipes/quickstart.yaml --num_prompts 2 --max_new_tokens 24 \
@@ -29,6 +30,7 @@ from draftsmith.data.readers import load_prompts  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
 from draftsmith.evaluate.measure import DecodeRunners, evaluate_batch, run_method, run_plain  # noqa: E402
 from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.target.model import eos_token_ids  # noqa: E402
 
 LOOPS = {"host": (False, "off"), "resident": (True, "off")}
@@ -47,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile_round", action="store_true",
                     help="also resident rounds with evaluate.compile_round: on (the round's pure parts compiled), same process")
     a = ap.parse_args(argv)
+    n_fallbacks = len(CAPTURE_FALLBACKS)  # this run's captures that fell back to eager: CAPTURE_FALLBACKS[n_fallbacks:]
     recipe, _ = parse_recipe([a.recipe])
     cfg = replace(recipe.evaluate, max_new_tokens=a.max_new_tokens, temperature=0.0)
     if a.fast:
@@ -101,6 +104,10 @@ def main(argv=None) -> int:
             f"{m} {n} x{v['speedup']} ({v['ms_per_round']} ms/round, {v['identical']} identical)"
             for m, d in row["methods"].items() for n, v in d.items()), flush=True)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["capture_fallbacks"] = CAPTURE_FALLBACKS[n_fallbacks:]  # empty when every CUDA graph was captured
+    if result["capture_fallbacks"]:
+        print(f"[bench_resident] WARNING: {len(result['capture_fallbacks'])} CUDA-graph capture(s) fell back to eager; "
+              "those calls' timings are eager ones (capture_fallbacks in the JSON)", flush=True)
     if a.out:
         atomic_write_json(a.out, result)
     print(json.dumps(result, indent=1))

@@ -158,6 +158,8 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
                                          for m, by in row["methods"].items() for loop, r in by.items()}
         if be.get("skipped"):
             out["engine_8b_skipped"] = be["skipped"]
+        if be.get("capture_fallbacks"):  # graphs that failed to capture: those calls were timed eagerly
+            out["engine_8b_capture_fallbacks"] = be["capture_fallbacks"]
     pr = load("profile_rounds.json", required=False)  # where a round's time goes
     if pr:
         out["round_profile"] = {m: {k: v[k] for k in ("rounds", "ms_per_round_profiled", "gpu_busy_ms_per_round")}

@@ -29,6 +29,7 @@ def test_bench_engine_small(tmp_path, tau):
     assert d["drafter_step_over_target_small"] > 0
     assert math.isfinite(d["planner_max_abs_err_pct"])
     assert not d["skipped"]
+    assert d["capture_fallbacks"] == []
     rounds_needed = math.ceil(19 / tau)  # 20 new tokens: the prefill's, then tau per round
     for row in d["runs"].values():
         for by_loop in row["methods"].values():
@@ -37,6 +38,45 @@ def test_bench_engine_small(tmp_path, tau):
                 assert r["accept_per_position"] == [1.0] * (tau - 1) + [0.0] * (5 - tau + 1)
                 assert r["equal_to_plain"].split("/")[0] == r["equal_to_plain"].split("/")[1]  # lossless
                 assert math.isfinite(r["planner"]["err_pct"])
+
+
+@pytest.mark.capture_fallback
+@pytest.mark.parametrize("fail", [False, True])
+def test_bench_engine_records_capture_fallbacks(tmp_path, monkeypatch, fail):
+    """The graphs path under the emulated capture (test_fast.fast_mode): every graph captured, the JSON's
+    capture_fallbacks is empty; a verify forward that cannot be captured (it raises only while being
+    captured) runs eagerly, the output stays lossless, and both of its graphs are listed."""
+    import functools
+
+    from draftsmith.speculate import fast
+    from test_fast import CAPTURING, fast_mode
+
+    assert fast_mode("emulated", monkeypatch) == "graphs"
+    monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": mode)  # graphs on a CPU
+    if fail:
+        real = fast.FastTarget.verify_rows
+
+        @functools.wraps(real)
+        def verify_rows(self, *args):
+            if CAPTURING[0]:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return real(self, *args)
+        monkeypatch.setattr(fast.FastTarget, "verify_rows", verify_rows)
+    out = tmp_path / "engine.json"
+    assert bench_engine.main(["--small", "--fast", "graphs", "--out", str(out), "--batch_sizes", "1", "--repeats", "1",
+                              "--methods", "chain", "--max_new_tokens", "12"]) == 0
+    d = json.loads(out.read_text())
+    assert d["path"] == "graphs"
+    for r in d["runs"]["1"]["methods"]["chain"].values():
+        assert r["equal_to_plain"] == "1/1"
+    if not fail:
+        assert d["capture_fallbacks"] == []
+        return
+    what = {f.split(": RuntimeError: operation not permitted when stream is capturing")[0] for f in d["capture_fallbacks"]}
+    assert {"FastTarget.verify_rows on inputs [(1, 6), (1, 6), (), (1,), (1,), (1, 6, 6)]",  # the host loop's rounds
+            "the resident round (batch 1, topk 1, budget 5, depth 5)"} <= what, what
+    # the rest: the step costs' verifies at other row counts
+    assert all(w.startswith(("FastTarget.verify_rows on inputs", "the resident round")) for w in what), what
 
 
 def test_oracle_tree_layout():

@@ -221,7 +221,7 @@ def test_bench_resident_smoke(recipe, tmp_path):
                     "--max_new_tokens", "10", "--batch_sizes", "1", "2", "--fast", "static", "--out", str(out)],
                    check=True, capture_output=True, timeout=600)
     res = json.loads(out.read_text())
-    assert res["path"] == "static" and set(res["batches"]) == {"1", "2"}
+    assert res["path"] == "static" and set(res["batches"]) == {"1", "2"} and res["capture_fallbacks"] == []
     for B, row in res["batches"].items():
         for m in ("eagle3_chain", "eagle3_tree"):
             host, resident = row["methods"][m]["host"], row["methods"][m]["resident"]

@@ -3,8 +3,12 @@
 On a CPU the `static` mode runs (same caches and bookkeeping, no graphs) and `emulated`: the graphs
 mode with CUDA-graph capture emulated (emulated_capture: every captured function runs as often as
 under CUDA graphs, and once more); on a CUDA machine the same tests also run `graphs` and `compile`
-(benchmarks/h200.sh runs this file there)."""
+(benchmarks/h200.sh runs this file there). In both graphed modes a test fails when a capture fell
+back to eager (tests/conftest.py reads speculate.cache.CAPTURE_FALLBACKS): it would pass without a graph."""
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.proposer import PerSequence
 from draftsmith.speculate.verify import plain_generate
-from draftsmith.speculate.cache import Graphed
+from draftsmith.speculate.cache import CAPTURE_FALLBACKS, Graphed
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget, resolve_mode
 from draftsmith.speculate.tree import pick_on_device
@@ -44,6 +48,11 @@ class EmulatedGraph:
                 o.copy_(n)
 
 
+CAPTURING = [False]
+"""[True] while emulated_capture runs its capture call (torch.cuda.is_current_stream_capturing's stand-in):
+a test's function can fail only there, as one that cannot be captured does on a GPU."""
+
+
 def emulated_capture(fn, args=(), state=None):
     """speculate.cache.capture without a GPU: the warm-up call for real (its advance of `state`
     undone), then the capture, which a CUDA graph records without running: here it runs, and is
@@ -51,14 +60,16 @@ def emulated_capture(fn, args=(), state=None):
     that is not safe to run again (a warm-up moving cache columns twice) fails here as on a GPU."""
     saved = {k: v.clone() for k, v in (state or {}).items()}
 
-    def call():
+    def call(capturing: bool):
+        CAPTURING[0] = capturing
         try:
             return fn(*args)
         finally:
+            CAPTURING[0] = False
             for k, v in saved.items():
                 state[k].copy_(v)
-    call()
-    out = call()
+    call(False)
+    out = call(True)
     return EmulatedGraph(fn, args, out), out
 
 
@@ -251,6 +262,7 @@ def test_sampling_on_static_caches_matches_eager(target):
     assert a == b and [s.accepted_per_round for s in sa] == [s.accepted_per_round for s in sb]
 
 
+@pytest.mark.capture_fallback
 def test_graphed_falls_back_to_eager_when_capture_fails(capsys):
     """A call whose capture fails (here: no CUDA at all) runs eagerly, now and later, with one log line;
     an error of fn itself still surfaces."""
@@ -271,6 +283,73 @@ def test_graphed_falls_back_to_eager_when_capture_fails(capsys):
     assert list(g.graphs.values()) == [None]
     with pytest.raises(ValueError, match="negative"):
         g(-torch.ones(2, 3))
+
+
+@pytest.mark.capture_fallback
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_capture_that_falls_back_is_recorded(target, plains, fitted, monkeypatch, resident):
+    """What the check behind every graphed test reads (tests/conftest.py fails a test on any entry of
+    CAPTURE_FALLBACKS): a verify forward that cannot be captured (emulated: it raises only during the
+    capture) still decodes losslessly, eagerly, and is recorded once per graph that was not made."""
+    if target.model.config.model_type != "llama":
+        pytest.skip("one target is enough")
+    mode = fast_mode("emulated", monkeypatch)
+    real = FastTarget.verify_rows
+
+    @functools.wraps(real)
+    def verify_rows(self, *args):
+        if CAPTURING[0]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(self, *args)
+
+    monkeypatch.setattr(FastTarget, "verify_rows", verify_rows)
+    ft, fd = FastTarget(target, mode), FastDraft(fitted, graphs=True)
+    for _ in range(2):  # the second generation reuses the failed graph's eager fallback: no second entry
+        new, _ = generate(target, Eagle3Proposer(fitted, topk=3, budget=8, fast=fd), PROMPTS[:2], 24, depth=4,
+                          fast=ft, resident=resident)
+        assert new == plains[:2]
+    assert len(CAPTURE_FALLBACKS) == 1, CAPTURE_FALLBACKS
+    what = "the resident round (batch 2, topk 3, budget 8, depth 4)" if resident else \
+        "FastTarget.verify_rows on inputs [(2, 9), (2, 9), (), (2,), (2,), (2, 9, 9)]"
+    assert CAPTURE_FALLBACKS[0] == f"{what}: RuntimeError: operation not permitted when stream is capturing"
+
+
+@pytest.mark.capture_fallback  # its inner session's fallbacks land in this process's record too
+def test_a_test_whose_capture_fell_back_fails(pytester):
+    """The check itself (tests/conftest.py): under the emulated capture, a test whose graphed call fell
+    back to eager FAILS although its result is right; the same test passes when the call is captured,
+    and when it carries @pytest.mark.capture_fallback."""
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(test_inner="""
+        import pytest, torch
+        from draftsmith.speculate.cache import Graphed
+        from test_fast import CAPTURING, emulated_capture
+
+        def double(x):
+            if CAPTURING[0]:
+                raise RuntimeError("cannot be captured")
+            return x * 2
+
+        @pytest.fixture(autouse=True)
+        def emulated(monkeypatch):
+            monkeypatch.setattr("draftsmith.speculate.cache.capture", emulated_capture)
+
+        def test_fell_back():
+            assert Graphed(double, enabled=True)(torch.ones(2, 3)).sum() == 12
+
+        def test_captured():
+            assert Graphed(lambda x: x * 2, enabled=True)(torch.ones(2, 3)).sum() == 12
+
+        @pytest.mark.capture_fallback
+        def test_fell_back_on_purpose():
+            assert Graphed(double, enabled=True)(torch.ones(2, 3)).sum() == 12
+    """)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    out = result.stdout.str()
+    assert "FAILED test_inner.py::test_fell_back - " in out
+    assert ("1 CUDA-graph capture(s) fell back to eager, so the graphs were not tested: "
+            "double on inputs [(2, 3)]: RuntimeError: cannot be captured") in out
 
 
 @pytest.mark.skipif(not CUDA, reason="counts CUDA stream syncs")

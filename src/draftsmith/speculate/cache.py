@@ -5,6 +5,7 @@
     copy_columns           KV columns src -> dst of given batch rows (graph-safe)
     crop_cache, move_rows  keep/move columns of a transformers cache, a drafter cache or a static one
     capture, Graphed       CUDA-graph capture of a function, and replay per input shape
+    CAPTURE_FALLBACKS      every capture that failed in this process (its call then runs eagerly)
     StaticDraftCache       the drafter's preallocated KV cache (graphed drafting steps write into it)
     stack_layers           a static cache's per-layer key/value tensors as views of one tensor each
 """
@@ -88,6 +89,21 @@ def stack_layers(layers: Sequence[Any]) -> Optional[tuple[torch.Tensor, torch.Te
     return stacks[0], stacks[1]
 
 
+CAPTURE_FALLBACKS: list[str] = []
+"""One line per CUDA-graph capture that failed in this process, whose call then runs eagerly
+(capture_failed). Production goes on with a log line; the tests fail on any entry (tests/conftest.py)
+and the benchmarks write the list into their JSON, so a run that silently went eager shows."""
+
+
+def capture_failed(what: str, e: Exception, then: str) -> None:
+    """Record and log that capturing `what` raised `e`; the caller runs it eagerly (`then` says how)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    why = (str(e).splitlines() or [""])[0][:160]
+    CAPTURE_FALLBACKS.append(f"{what}: {type(e).__name__}: {why}")
+    log(f"[fast] CUDA graph capture of {what} failed ({type(e).__name__}: {why}); {then}")
+
+
 class Graphed:
     """Call fn(*tensors) -> tensors, through a CUDA graph captured on the first call per input
     shape (inputs are copied into the graph's static buffers, outputs are the graph's own and
@@ -115,10 +131,8 @@ class Graphed:
             try:
                 return self._capture(key, xs)
             except Exception as e:  # fn cannot be captured: run it eagerly from now on (a real error recurs there)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                log(f"[fast] CUDA graph capture of {getattr(self.fn, '__qualname__', self.fn)} failed "
-                    f"({str(e).splitlines()[0][:160]}); that call runs eagerly")
+                capture_failed(f"{getattr(self.fn, '__qualname__', self.fn)} on inputs {[tuple(x.shape) for x in xs]}",
+                               e, "that call runs eagerly")
                 self.graphs[key] = None
                 return self.fn(*xs)
         if entry is None:  # capture failed before

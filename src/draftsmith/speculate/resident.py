@@ -35,8 +35,7 @@ from typing import Sequence
 
 import torch
 
-from ..artifacts import log
-from .cache import capture, copy_columns, h2d
+from .cache import capture, capture_failed, copy_columns, h2d
 from .eagle3 import Eagle3Proposer
 from .fast import FastTarget
 from .tree import SpecStats, device_tree_mask, left_pad
@@ -272,9 +271,8 @@ class Resident:
             try:  # the warm-up round's advance of the state is undone (its cache writes are redone)
                 self.graph, _ = capture(self.round, state=self.state)
             except Exception as e:  # cannot be captured: eager rounds from now on (a real error recurs there)
-                torch.cuda.synchronize()
-                log(f"[fast] CUDA graph capture of the resident round failed ({str(e).splitlines()[0][:160]}); "
-                    "its rounds run eagerly")
+                what = f"the resident round (batch {self.B}, topk {self.K}, budget {self.M}, depth {self.D})"
+                capture_failed(what, e, "its rounds run eagerly")
                 self.graph = False
                 return self.round
         return self.graph.replay
