@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import sys
@@ -290,10 +291,36 @@ def stage_dir(run_dir: str | Path, stage: str) -> Path:
     return Path(run_dir) / STAGE_DIRS.get(stage, stage)
 
 
+RECIPE_FILE = "recipe.yaml"
+"""The run's resolved recipe in its run directory (pipeline.write_recipe): a recipe any command takes."""
+
+
 def rerun_command(stage: str, run_dir: str | Path, force: bool = True) -> str:
     """The command an error's fix names: `draftsmith STAGE RUN_DIR/recipe.yaml --force` (the run's
-    resolved recipe, which the pipeline writes before a stage starts), so it can be pasted as is."""
-    return f"`draftsmith {stage} {Path(run_dir) / 'recipe.yaml'}{' --force' if force else ''}`"
+    resolved recipe, which the pipeline writes before a stage starts), so it can be pasted as is
+    (the path shell-quoted where it needs it)."""
+    return f"`draftsmith {stage} {shlex.quote(str(Path(run_dir) / RECIPE_FILE))}{' --force' if force else ''}`"
+
+
+def run_dir_of(path: str | Path, levels: int = 4) -> Optional[Path]:
+    """The run directory that holds `path` (a stage folder or a file in one): the nearest folder at
+    most `levels` up, `path` itself included, with the run's recipe.yaml in it. None outside a run."""
+    p = Path(path)
+    for d in [p, *p.parents][:levels + 1]:
+        if (d / RECIPE_FILE).is_file():
+            return d
+    return None
+
+
+def fix_command(stage: str, path: str | Path, force: bool = True, then: Sequence[str] = (), levels: int = 4) -> str:
+    """A fix naming whole commands for a file or folder of a run: `draftsmith STAGE RUN/recipe.yaml
+    --force`, then `draftsmith THEN RUN/recipe.yaml --force` for each later stage to redo. Outside a
+    run directory (a file given by hand) the recipe is left for the user to name."""
+    run_dir = run_dir_of(path, levels)
+    if run_dir is None:
+        return ", then ".join(f"`draftsmith {s} RECIPE.yaml{' --force' if force else ''}` (with that run's recipe)"
+                             for s in (stage, *then))
+    return ", then ".join(rerun_command(s, run_dir, force) for s in (stage, *then))
 
 
 def token_stage(recipe, run_dir: str | Path) -> tuple[Path, str]:
@@ -327,7 +354,8 @@ def require_complete(directory: str | Path, what: str) -> dict:
     m = load_manifest(directory)
     if m is None or m.get("status") != "complete":
         state = "missing" if m is None else m.get("status")
-        raise DraftsmithError(f"{Path(directory) / MANIFEST}: {what} stage is {state}; run `draftsmith {what}` (or `draftsmith run`) first")
+        raise DraftsmithError(f"{Path(directory) / MANIFEST}: {what} stage is {state}; run "
+                              f"{fix_command(what, Path(directory).parent, force=False, levels=0)} first")
     return m
 
 

@@ -192,6 +192,24 @@ def _rewrite_capture(c: Ctx, poison: Callable[[Any], None]) -> None:
     (c.run_dir / "capture" / "manifest.json").write_text(json.dumps(m))
 
 
+def _rewrite_vocab(c: Ctx, edit: Callable[[dict], None]) -> None:
+    """Rewrite vocab/vocab.safetensors with `edit` applied and fix the checksum the manifest lists:
+    a vocab that is wrong inside, not a corrupt file."""
+    from safetensors.torch import load_file
+
+    from draftsmith.artifacts import atomic_save_safetensors
+
+    p = c.run_dir / "vocab" / "vocab.safetensors"
+    t = load_file(str(p))
+    edit(t)
+    sha = atomic_save_safetensors(p, t)
+    c.edit_manifest("vocab", lambda m: [f.update(sha256=sha) for f in m.get("files", []) if f.get("file") == p.name])
+
+
+def _unmark_t2d(t) -> None:
+    t["t2d"][:] = False  # t2d marks none of the target tokens d2t maps onto
+
+
 def _poison_first_sample(t) -> None:
     a, b = int(t["offsets"][0]), int(t["offsets"][1])
     t["aux_hidden"][a:b] = float("nan")
@@ -686,6 +704,18 @@ CASES: list[Case] = [
     Case("vocab_file_garbage", "manifest", "vocab/vocab.safetensors overwritten with garbage", "train", E,
          r"vocab\.safetensors: checksum does not match",
          _copy_then(("data", "capture", "vocab"), lambda c: (c.run_dir / "vocab" / "vocab.safetensors").write_bytes(b"junk" * 9))),
+    # fixes that name whole commands: the run's recipe.yaml, every stage to redo (test_badinput runs them)
+    Case("vocab_map_disagrees", "manifest", "vocab/vocab.safetensors whose d2t and t2d disagree (checksum fixed)", "train", E,
+         r"vocab\.safetensors: d2t and t2d disagree; rerun `draftsmith vocab \S+/run/recipe\.yaml --force`, "
+         r"then `draftsmith train \S+/run/recipe\.yaml --force`$",
+         _copy_then(("data", "capture", "vocab"), lambda c: _rewrite_vocab(c, _unmark_t2d))),
+    Case("capture_shard_lacks_key", "manifest", "a capture shard without final_hidden (checksum fixed)", "train", E,
+         r"shard-\d+\.safetensors: capture shard lacks \['final_hidden'\]; rerun `draftsmith capture \S+/run/recipe\.yaml "
+         r"--force`, then `draftsmith train \S+/run/recipe\.yaml --force`$",
+         _copy_then(("data", "capture", "vocab"), lambda c: _rewrite_capture(c, lambda t: t.pop("final_hidden")))),
+    Case("upstream_not_complete", "manifest", "train in a fresh run folder (nothing before it ran)", "train", E,
+         r"capture/manifest\.json: stage capture is not complete; run `draftsmith capture \S+/run/recipe\.yaml` first "
+         r"\(or `draftsmith run \S+/run/recipe\.yaml`\)$"),
     # -- non-finite hidden states -----------------------------------------------------------------
     Case("nan_from_target_some", "hidden", "the target gives NaN hidden states for some samples", "capture",
          "skip:rejected_nonfinite", setup=_nan_rows_in_target(2)),
