@@ -193,3 +193,10 @@ def test_rerun_command_quotes_a_path_with_spaces(tmp_path):
     (run_dir / "recipe.yaml").write_text("name: x\n")
     assert fix_command("vocab", run_dir / "vocab" / "vocab.safetensors", then=("train",)) == \
         f"{rerun_command('vocab', run_dir)}, then {rerun_command('train', run_dir)}"
+    # a damaged stage folder: the stage its manifest names, only when that is the stage of this folder
+    from draftsmith.artifacts import redo_stage_hint
+
+    assert redo_stage_hint(run_dir / "data", {"stage": "prepare"}).startswith(
+        f"redo the stage with {rerun_command('prepare', run_dir)}, then")
+    for edited in ({"stage": "capture"}, {"stage": "prepare; rm -rf ~"}, {"stage": 3}, None):
+        assert redo_stage_hint(run_dir / "data", edited) == f"delete {run_dir / 'data'} and rerun its stage"

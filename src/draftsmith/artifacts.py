@@ -323,6 +323,18 @@ def fix_command(stage: str, path: str | Path, force: bool = True, then: Sequence
     return ", then ".join(rerun_command(s, run_dir, force) for s in (stage, *then))
 
 
+def redo_stage_hint(directory: str | Path, manifest: Any) -> str:
+    """The fix for a stage folder whose files are damaged: the command that redoes that stage (its
+    manifest names it; trusted only when the run directory's folder for that stage is `directory`),
+    then the command that stopped. Else (no run, an edited `stage`): delete the folder, rerun its stage."""
+    directory = Path(directory)
+    stage = manifest.get("stage") if isinstance(manifest, dict) else None
+    run_dir = run_dir_of(directory.parent, 0)
+    if isinstance(stage, str) and run_dir is not None and stage_dir(run_dir, stage) == directory:
+        return f"redo the stage with {rerun_command(stage, run_dir)}, then rerun the command that stopped here"
+    return f"delete {directory} and rerun its stage"
+
+
 def token_stage(recipe, run_dir: str | Path) -> tuple[Path, str]:
     """(folder, stage) of the token shards that capture, vocab and online training read: regen/
     when regenerate is enabled, else data/. `recipe` is a config.Recipe."""
@@ -388,8 +400,10 @@ def finish_manifest(directory: str | Path, manifest: dict) -> dict:
     shards = manifest.get("shards")
     for s in shards if isinstance(shards, list) else []:  # never "complete" over a listed shard that is gone
         if isinstance(s, dict) and isinstance(s.get("file"), str) and not safe_join(directory, s["file"]).is_file():
-            raise DraftsmithError(f"{Path(directory) / MANIFEST}: shard {s['file']} is listed but missing; rerun the stage "
-                                  "(it captures or writes the missing shard again)")
+            stage, run_dir = manifest.get("stage"), Path(directory).parent
+            again = rerun_command(stage, run_dir, force=False) if isinstance(stage, str) else "the stage"
+            raise DraftsmithError(f"{Path(directory) / MANIFEST}: shard {s['file']} is listed but missing; rerun {again} "
+                                  "(it resumes, writing the missing shard again)")
     manifest["status"] = "complete"
     manifest["finished_at"] = time.time()
     manifest["timings"].setdefault("wall_s", round(manifest["finished_at"] - manifest["started_at"], 3))
@@ -404,16 +418,17 @@ def verify_shards(directory: str | Path, manifest: dict, check_hash: bool = True
     shards = manifest.get("shards", [])
     if not isinstance(shards, list):
         raise DraftsmithError(f"{directory / MANIFEST}: `shards` is {type(shards).__name__}, not a list; the manifest was edited, "
-                              f"delete {directory} and rerun its stage")
+                              f"{redo_stage_hint(directory, manifest)}")
     for i, s in enumerate(shards):
         if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)):
             raise DraftsmithError(f"{directory / MANIFEST}: shard entry {i} lacks a `file`/`sha256` string; the manifest was "
-                                  f"edited, delete {directory} and rerun its stage")
+                                  f"edited, {redo_stage_hint(directory, manifest)}")
         p = safe_join(directory, s["file"])
         if not p.exists():
-            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; delete {directory} and rerun its stage")
+            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; {redo_stage_hint(directory, manifest)}")
         if check_hash and sha256_file(p) != s["sha256"]:
-            raise DraftsmithError(f"{p}: checksum does not match {directory / MANIFEST}; the shard is corrupt, delete {directory} and rerun its stage")
+            raise DraftsmithError(f"{p}: checksum does not match {directory / MANIFEST}; the shard is corrupt, "
+                                  f"{redo_stage_hint(directory, manifest)}")
         paths.append(p)
     return paths
 
@@ -430,10 +445,10 @@ def verify_listed_file(path: str | Path) -> None:
     if entry is None or not isinstance(entry.get("sha256"), str):
         return
     if not path.exists():
-        raise DraftsmithError(f"{path.parent / MANIFEST}: {path.name} is listed but missing; delete {path.parent} and rerun its stage")
+        raise DraftsmithError(f"{path.parent / MANIFEST}: {path.name} is listed but missing; {redo_stage_hint(path.parent, m)}")
     if sha256_file(path) != entry["sha256"]:
         raise DraftsmithError(f"{path}: checksum does not match {path.parent / MANIFEST}; the file is corrupt or was edited, "
-                              f"delete {path.parent} and rerun its stage")
+                              f"{redo_stage_hint(path.parent, m)}")
 
 
 def safe_join(root: str | Path, rel: str) -> Path:
