@@ -206,6 +206,17 @@ def _rewrite_vocab(c: Ctx, edit: Callable[[dict], None]) -> None:
     c.edit_manifest("vocab", lambda m: [f.update(sha256=sha) for f in m.get("files", []) if f.get("file") == p.name])
 
 
+def _junk_data_shard(c: Ctx) -> None:
+    """data/shard-00000 overwritten with junk, the manifest's checksum updated to match: passes the
+    checksum, fails when read."""
+    import hashlib
+
+    p = _shard_path(c, "data")
+    p.write_bytes(b"junk" * 64)
+    sha = hashlib.sha256(p.read_bytes()).hexdigest()
+    c.edit_manifest("data", lambda m: [s.update(sha256=sha) for s in m["shards"] if s["file"] == p.name])
+
+
 def _unmark_t2d(t) -> None:
     t["t2d"][:] = False  # t2d marks none of the target tokens d2t maps onto
 
@@ -715,6 +726,9 @@ CASES: list[Case] = [
          r"shard-\d+\.safetensors: capture shard lacks \['final_hidden'\]; rerun `draftsmith capture \S+/run/recipe\.yaml "
          r"--force`, then `draftsmith train \S+/run/recipe\.yaml --force`$",
          _copy_then(("data", "capture", "vocab"), lambda c: _rewrite_capture(c, lambda t: t.pop("final_hidden")))),
+    Case("data_shard_junk", "manifest", "a data shard overwritten with junk (checksum fixed)", "capture", E,
+         r"data/shard-00000\.safetensors: unreadable shard .*; redo the stage with `draftsmith prepare \S+/run/recipe\.yaml "
+         r"--force`, then rerun the command that stopped here$", _copy_then(("data",), _junk_data_shard)),
     Case("upstream_not_complete", "manifest", "train in a fresh run folder (nothing before it ran)", "train", E,
          r"capture/manifest\.json: stage capture is not complete; run `draftsmith capture \S+/run/recipe\.yaml` first "
          r"\(or `draftsmith run \S+/run/recipe\.yaml`\)$"),
