@@ -659,17 +659,17 @@ def _parse_error(p: ArgumentParser, argv: list[str], err: BaseException, prog: s
     """The one-line error of a recipe the parser refused, naming its source: the recipe file whose
     value or key is wrong (its files are parsed alone, one more at a time, to find it), else the
     command line and, where the parser names it, the flag."""
+    keys = f"`{prog if prog.split()[-1] in (*STAGES, 'run') else 'draftsmith run'} --help` lists the keys"  # doctor's, probe's --help do not
     for n, args in enumerate(configs := _config_args(argv)):
         try:
             p.parse_args([a for c in configs[:n + 1] for a in c])
         except (argparse.ArgumentError, SystemExit) as e:
             path = args[1] if len(args) == 2 else args[0].partition("=")[2]
-            return DraftsmithError(f"{path}: {' '.join(str(e).split())}; fix the key or value in the recipe "
-                                   f"(`{prog} --help` lists the keys)")
+            return DraftsmithError(f"{path}: {' '.join(str(e).split())}; fix the key or value in the recipe ({keys})")
     msg = " ".join(str(err).split())
     key = re.search(r'(?:Parser key|Key) "([^"]+)"', msg)
     label = f"{COMMAND_LINE} --{key.group(1)}" if key else COMMAND_LINE
-    return DraftsmithError(f"{label}: {msg}; fix the flag (`{prog} --help` lists the keys)")
+    return DraftsmithError(f"{label}: {msg}; fix the flag ({keys})")
 
 
 def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
