@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,46 @@ def test_nan_capture_stores_only_finite_states(good_run, tmp_path, monkeypatch):
         t = load_file(str(ctx.run_dir / "capture" / s["file"]))
         assert torch.isfinite(t["aux_hidden"]).all() and torch.isfinite(t["final_hidden"]).all()
     assert json.loads((ctx.run_dir / "capture" / "manifest.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.parametrize("case_id", ["vocab_map_disagrees", "capture_shard_lacks_key"])
+def test_fix_hint_commands_run_and_fix_the_run(case_id, good_run, tmp_path, monkeypatch, capsys):
+    """The fix a stage names is whole commands, pasted as they are: each names the run's recipe.yaml
+    (shell-quoted), runs with exit 0, and after them the stage the error came from is complete."""
+    case = next(c for c in CASES if c.id == case_id)
+    target, base = good_run
+    ctx = Ctx(tmp_path, base, target, monkeypatch)
+    args = case.setup(ctx)
+    capsys.readouterr()
+    assert main([case.command, *args]) == 2
+    msg = capsys.readouterr().err.strip()
+    commands = re.findall(r"`(draftsmith [^`]+)`", msg.split("; ", 1)[1])
+    assert len(commands) == 2, msg
+    recipe = ctx.run_dir / "recipe.yaml"
+    for cmd in commands:
+        argv = shlex.split(cmd)
+        assert argv[0] == "draftsmith" and argv[2] == str(recipe), cmd
+        assert main(argv[1:]) == 0, cmd
+    assert load_manifest(ctx.run_dir / case.command)["status"] == "complete"
+    assert not leftovers(tmp_path)
+
+
+def test_rerun_command_quotes_a_path_with_spaces(tmp_path):
+    from draftsmith.artifacts import fix_command, rerun_command
+
+    run_dir = tmp_path / "my runs" / "a b"
+    cmd = rerun_command("vocab", run_dir)[1:-1]
+    assert shlex.split(cmd) == ["draftsmith", "vocab", str(run_dir / "recipe.yaml"), "--force"]
+    # outside a run directory (no recipe.yaml up the path) the fix cannot name the recipe: it says so
+    assert "RECIPE.yaml" in fix_command("vocab", run_dir / "vocab" / "vocab.safetensors")
+    run_dir.mkdir(parents=True)
+    (run_dir / "recipe.yaml").write_text("name: x\n")
+    assert fix_command("vocab", run_dir / "vocab" / "vocab.safetensors", then=("train",)) == \
+        f"{rerun_command('vocab', run_dir)}, then {rerun_command('train', run_dir)}"
+    # a damaged stage folder: the stage its manifest names, only when that is the stage of this folder
+    from draftsmith.artifacts import redo_stage_hint
+
+    assert redo_stage_hint(run_dir / "data", {"stage": "prepare"}).startswith(
+        f"redo the stage with {rerun_command('prepare', run_dir)}, then")
+    for edited in ({"stage": "capture"}, {"stage": "prepare; rm -rf ~"}, {"stage": 3}, None):
+        assert redo_stage_hint(run_dir / "data", edited) == f"delete {run_dir / 'data'} and rerun its stage"

@@ -144,15 +144,17 @@ def test_unknown_evaluate_method_is_refused_before_any_stage(tmp_path, target, c
     recipe = write_recipe(tmp_path, target, tmp_path / "run")
     assert main(["run", str(recipe), "--evaluate.methods", "[eagle3_chain, eagle3_chian]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: {recipe}: evaluate.methods 'eagle3_chian': not a method; "
-                   "choose from eagle3_chain, eagle3_tree, ngram, plain")
+    # the bad value came from the flag, not the file: the error says so
+    assert err == ("error: command line --evaluate.methods: evaluate.methods 'eagle3_chian': not a method; "
+                   "choose from eagle3_chain, eagle3_tree, ngram, plain (on the command line)")
     assert not (tmp_path / "run").exists()
     bad = tmp_path / "bad.yaml"
     r = yaml.safe_load(recipe.read_text())
     r["evaluate"]["methods"] = ["ngram", "tree"]
     bad.write_text(yaml.safe_dump(r))
     assert main(["train", str(bad)]) == 2
-    assert f"error: {bad}: evaluate.methods 'tree': not a method" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {bad}: evaluate.methods 'tree': not a method") and err.endswith("(in the recipe)")
 
 
 def test_unknown_export_format_is_refused_before_any_stage(tmp_path, target, capsys):
@@ -161,7 +163,7 @@ def test_unknown_export_format_is_refused_before_any_stage(tmp_path, target, cap
     recipe = write_recipe(tmp_path, target, tmp_path / "run")
     assert main(["run", str(recipe), "--export.formats", "[sglang, vlm]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {recipe}: export.formats 'vlm': not a format; choose from sglang, vllm"
+    assert err == "error: command line --export.formats: export.formats 'vlm': not a format; choose from sglang, vllm (on the command line)"
     assert not (tmp_path / "run").exists()
     bad = tmp_path / "bad.yaml"
     r = yaml.safe_load(recipe.read_text())
@@ -169,7 +171,7 @@ def test_unknown_export_format_is_refused_before_any_stage(tmp_path, target, cap
     bad.write_text(yaml.safe_dump(r))
     assert main(["prepare", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: {bad}: export.formats is empty; choose from sglang, vllm"
+    assert err == f"error: {bad}: export.formats is empty; choose from sglang, vllm (in the recipe)"
     assert not (tmp_path / "run").exists()
 
 

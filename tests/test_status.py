@@ -150,6 +150,9 @@ def test_failure_hint(tmp_path):
     st = status.collect(run)
     assert "lower the stage's batch_tokens" in st["next_step"]["text"]
     assert next(s for s in st["stages"] if s["stage"] == "train")["fix_hint"].startswith("lower")
+    # the hint's command names this run's recipe, so it can be pasted
+    assert f"`draftsmith doctor {run / 'recipe.yaml'}`" in st["next_step"]["text"] and "RECIPE`" not in st["next_step"]["text"]
+    assert f"`draftsmith doctor {run / 'recipe.yaml'}`" in next(s for s in st["stages"] if s["stage"] == "train")["fix_hint"]
 
 
 def _set(run, stage, **kw):

@@ -263,7 +263,7 @@ def test_negative_budgets_are_refused_at_parse_time_and_by_the_stage(tmp_path, t
     from draftsmith.config import parse_recipe
 
     for flag in ("--train.max_minutes", "--train.max_tokens"):
-        with pytest.raises(DraftsmithError, match=rf"command line: {flag[2:]} -5(\.0)?: must be >= 0 \(0 = no budget\)"):
+        with pytest.raises(DraftsmithError, match=rf"command line {flag}: {flag[2:]} -5(\.0)?: must be >= 0 \(0 = no budget\); fix the value on the command line"):
             parse_recipe([flag, "-5"])
     recipe, _ = parse_recipe(["--train.max_minutes", "12.5", "--train.max_tokens", "1000000"])
     assert (recipe.train.max_minutes, recipe.train.max_tokens) == (12.5, 1_000_000)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import sys
@@ -290,10 +291,48 @@ def stage_dir(run_dir: str | Path, stage: str) -> Path:
     return Path(run_dir) / STAGE_DIRS.get(stage, stage)
 
 
+RECIPE_FILE = "recipe.yaml"
+"""The run's resolved recipe in its run directory (pipeline.write_recipe): a recipe any command takes."""
+
+
 def rerun_command(stage: str, run_dir: str | Path, force: bool = True) -> str:
     """The command an error's fix names: `draftsmith STAGE RUN_DIR/recipe.yaml --force` (the run's
-    resolved recipe, which the pipeline writes before a stage starts), so it can be pasted as is."""
-    return f"`draftsmith {stage} {Path(run_dir) / 'recipe.yaml'}{' --force' if force else ''}`"
+    resolved recipe, which the pipeline writes before a stage starts), so it can be pasted as is
+    (the path shell-quoted where it needs it)."""
+    return f"`draftsmith {stage} {shlex.quote(str(Path(run_dir) / RECIPE_FILE))}{' --force' if force else ''}`"
+
+
+def run_dir_of(path: str | Path, levels: int = 4) -> Optional[Path]:
+    """The run directory that holds `path` (a stage folder or a file in one): the nearest folder at
+    most `levels` up, `path` itself included, with the run's recipe.yaml in it. None outside a run."""
+    p = Path(path)
+    for d in [p, *p.parents][:levels + 1]:
+        if (d / RECIPE_FILE).is_file():
+            return d
+    return None
+
+
+def fix_command(stage: str, path: str | Path, force: bool = True, then: Sequence[str] = (), levels: int = 4) -> str:
+    """A fix naming whole commands for a file or folder of a run: `draftsmith STAGE RUN/recipe.yaml
+    --force`, then `draftsmith THEN RUN/recipe.yaml --force` for each later stage to redo. Outside a
+    run directory (a file given by hand) the recipe is left for the user to name."""
+    run_dir = run_dir_of(path, levels)
+    if run_dir is None:
+        return ", then ".join(f"`draftsmith {s} RECIPE.yaml{' --force' if force else ''}` (with that run's recipe)"
+                             for s in (stage, *then))
+    return ", then ".join(rerun_command(s, run_dir, force) for s in (stage, *then))
+
+
+def redo_stage_hint(directory: str | Path, manifest: Any) -> str:
+    """The fix for a stage folder whose files are damaged: the command that redoes that stage (its
+    manifest names it; trusted only when the run directory's folder for that stage is `directory`),
+    then the command that stopped. Else (no run, an edited `stage`): delete the folder, rerun its stage."""
+    directory = Path(directory)
+    stage = manifest.get("stage") if isinstance(manifest, dict) else None
+    run_dir = run_dir_of(directory.parent, 0)
+    if isinstance(stage, str) and run_dir is not None and stage_dir(run_dir, stage) == directory:
+        return f"redo the stage with {rerun_command(stage, run_dir)}, then rerun the command that stopped here"
+    return f"delete {directory} and rerun its stage"
 
 
 def token_stage(recipe, run_dir: str | Path) -> tuple[Path, str]:
@@ -327,7 +366,8 @@ def require_complete(directory: str | Path, what: str) -> dict:
     m = load_manifest(directory)
     if m is None or m.get("status") != "complete":
         state = "missing" if m is None else m.get("status")
-        raise DraftsmithError(f"{Path(directory) / MANIFEST}: {what} stage is {state}; run `draftsmith {what}` (or `draftsmith run`) first")
+        raise DraftsmithError(f"{Path(directory) / MANIFEST}: {what} stage is {state}; run "
+                              f"{fix_command(what, Path(directory).parent, force=False, levels=0)} first")
     return m
 
 
@@ -360,8 +400,10 @@ def finish_manifest(directory: str | Path, manifest: dict) -> dict:
     shards = manifest.get("shards")
     for s in shards if isinstance(shards, list) else []:  # never "complete" over a listed shard that is gone
         if isinstance(s, dict) and isinstance(s.get("file"), str) and not safe_join(directory, s["file"]).is_file():
-            raise DraftsmithError(f"{Path(directory) / MANIFEST}: shard {s['file']} is listed but missing; rerun the stage "
-                                  "(it captures or writes the missing shard again)")
+            stage, run_dir = manifest.get("stage"), Path(directory).parent
+            again = rerun_command(stage, run_dir, force=False) if isinstance(stage, str) else "the stage"
+            raise DraftsmithError(f"{Path(directory) / MANIFEST}: shard {s['file']} is listed but missing; rerun {again} "
+                                  "(it resumes, writing the missing shard again)")
     manifest["status"] = "complete"
     manifest["finished_at"] = time.time()
     manifest["timings"].setdefault("wall_s", round(manifest["finished_at"] - manifest["started_at"], 3))
@@ -376,16 +418,17 @@ def verify_shards(directory: str | Path, manifest: dict, check_hash: bool = True
     shards = manifest.get("shards", [])
     if not isinstance(shards, list):
         raise DraftsmithError(f"{directory / MANIFEST}: `shards` is {type(shards).__name__}, not a list; the manifest was edited, "
-                              f"delete {directory} and rerun its stage")
+                              f"{redo_stage_hint(directory, manifest)}")
     for i, s in enumerate(shards):
         if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)):
             raise DraftsmithError(f"{directory / MANIFEST}: shard entry {i} lacks a `file`/`sha256` string; the manifest was "
-                                  f"edited, delete {directory} and rerun its stage")
+                                  f"edited, {redo_stage_hint(directory, manifest)}")
         p = safe_join(directory, s["file"])
         if not p.exists():
-            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; delete {directory} and rerun its stage")
+            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; {redo_stage_hint(directory, manifest)}")
         if check_hash and sha256_file(p) != s["sha256"]:
-            raise DraftsmithError(f"{p}: checksum does not match {directory / MANIFEST}; the shard is corrupt, delete {directory} and rerun its stage")
+            raise DraftsmithError(f"{p}: checksum does not match {directory / MANIFEST}; the shard is corrupt, "
+                                  f"{redo_stage_hint(directory, manifest)}")
         paths.append(p)
     return paths
 
@@ -402,10 +445,10 @@ def verify_listed_file(path: str | Path) -> None:
     if entry is None or not isinstance(entry.get("sha256"), str):
         return
     if not path.exists():
-        raise DraftsmithError(f"{path.parent / MANIFEST}: {path.name} is listed but missing; delete {path.parent} and rerun its stage")
+        raise DraftsmithError(f"{path.parent / MANIFEST}: {path.name} is listed but missing; {redo_stage_hint(path.parent, m)}")
     if sha256_file(path) != entry["sha256"]:
         raise DraftsmithError(f"{path}: checksum does not match {path.parent / MANIFEST}; the file is corrupt or was edited, "
-                              f"delete {path.parent} and rerun its stage")
+                              f"{redo_stage_hint(path.parent, m)}")
 
 
 def safe_join(root: str | Path, rel: str) -> Path:

@@ -12,6 +12,7 @@ import argparse
 import ast
 import inspect
 import math
+import re
 import textwrap
 import warnings
 from dataclasses import dataclass, field
@@ -506,32 +507,50 @@ _LOWEST_MEANS = {"train.max_tokens": "0 = no budget", "train.max_minutes": "0 = 
 """What the lowest value of a limit means, where it is a setting of its own (said in the error)."""
 
 
-def check_choices(key: str, values: list[str], choices: tuple[str, ...], noun: str, where: str,
+COMMAND_LINE = "command line"
+"""The source label of a value given as a flag (`command line --train.lr`), beside recipe file paths."""
+
+Where = Union[str, "RecipeSources"]
+"""Where checked values came from: one label for every key (a recipe file path), or a RecipeSources
+that names, key by key, the recipe file or the command-line flag that set it."""
+
+
+def source_of(where: Where, key: str) -> tuple[str, str]:
+    """(label, where to fix it) of `key`: ("recipe.yaml", "in the recipe") or
+    ("command line --train.lr", "on the command line")."""
+    label = where.label(key) if isinstance(where, RecipeSources) else str(where)
+    return label, "on the command line" if label.startswith(COMMAND_LINE) else "in the recipe"
+
+
+def check_choices(key: str, values: list[str], choices: tuple[str, ...], noun: str, where: Where,
                   allow_empty: bool = True) -> None:
     """Refuse a name in a list setting that is not one of `choices` (a typo found at parse time, not
     after training), and an empty list where one is needed."""
+    label, place = source_of(where, key)
     bad = [v for v in values if v not in choices]
     if bad:
-        raise DraftsmithError(f"{where}: {key} {', '.join(map(repr, bad))}: not a {noun}; choose from {', '.join(choices)}")
+        raise DraftsmithError(f"{label}: {key} {', '.join(map(repr, bad))}: not a {noun}; "
+                              f"choose from {', '.join(choices)} ({place})")
     if not values and not allow_empty:
-        raise DraftsmithError(f"{where}: {key} is empty; choose from {', '.join(choices)}")
+        raise DraftsmithError(f"{label}: {key} is empty; choose from {', '.join(choices)} ({place})")
 
 
-def check_methods(methods: list[str], where: str) -> None:
+def check_methods(methods: list[str], where: Where) -> None:
     """evaluate.methods: decoders evaluate runs."""
     check_choices("evaluate.methods", methods, EVALUATE_METHODS, "method", where)
 
 
-def check_formats(formats: list[str], where: str) -> None:
+def check_formats(formats: list[str], where: Where) -> None:
     """export.formats: converters export has, at least one."""
     check_choices("export.formats", formats, EXPORT_FORMATS, "format", where, allow_empty=False)
 
 
-def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] = None) -> None:
+def check_recipe(recipe: "Recipe", where: Where, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output. With
     `only`, just those sections ("vocab") or keys ("train.ttt_steps"): a stage checking the values it
-    cannot run without in a Recipe built in code (which never went through parse_recipe)."""
+    cannot run without in a Recipe built in code (which never went through parse_recipe). Each error
+    names where the value came from (`where`: the recipe file, or the flag that set it)."""
     def wanted(key: str) -> bool:
         return only is None or key in only or key.split(".")[0] in only
 
@@ -540,57 +559,144 @@ def check_recipe(recipe: "Recipe", where: str, only: Optional[tuple[str, ...]] =
             continue
         if value == "auto":  # the fields that take "auto" (heldout_samples, eval_every): the parser checked the type
             continue
+        label, place = source_of(where, key)
         if value is None:
             if optional:
                 continue
-            raise DraftsmithError(f"{where}: {key} is null; give a number")
+            raise DraftsmithError(f"{label}: {key} is null; give a number {place}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
-            raise DraftsmithError(f"{where}: {key} {value!r}: not a finite number; fix the value")
+            raise DraftsmithError(f"{label}: {key} {value!r}: not a finite number; fix the value {place}")
         if lo is not None and value < lo:
             notes = [n for n in ("or null" if optional else None, _LOWEST_MEANS.get(key)) if n]
             said = f" ({'; '.join(notes)})" if notes else ""
-            raise DraftsmithError(f"{where}: {key} {value}: must be >= {lo:g}{said}; fix the value in the recipe")
+            raise DraftsmithError(f"{label}: {key} {value}: must be >= {lo:g}{said}; fix the value {place}")
         if hi is not None and value > hi:
-            raise DraftsmithError(f"{where}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value in the recipe")
+            raise DraftsmithError(f"{label}: {key} {value}: must be <= {hi:g} (larger is not a real setting); fix the value {place}")
     if wanted("evaluate.methods"):
         check_methods(recipe.evaluate.methods, where)
     if wanted("export.formats"):
         check_formats(recipe.export.formats, where)
     if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
-        raise DraftsmithError(f"{where}: evaluate.batch_sizes is empty; give at least one, e.g. [1]")
+        label, place = source_of(where, "evaluate.batch_sizes")
+        raise DraftsmithError(f"{label}: evaluate.batch_sizes is empty; give at least one, e.g. [1], {place}")
     if wanted("train.micro_batch_tokens") and recipe.train.micro_batch_tokens is not None \
             and recipe.train.micro_batch_tokens > recipe.train.batch_tokens:
-        raise DraftsmithError(f"{where}: train.micro_batch_tokens {recipe.train.micro_batch_tokens} > train.batch_tokens "
-                              f"{recipe.train.batch_tokens}; make the micro-batch at most the batch")
+        # the flag that set either side, if one did (that is the value the user just typed), else the file
+        labels = [source_of(where, k) for k in ("train.micro_batch_tokens", "train.batch_tokens")]
+        label, place = next((s for s in labels if s[1] == "on the command line"), labels[0])
+        raise DraftsmithError(f"{label}: train.micro_batch_tokens {recipe.train.micro_batch_tokens} > train.batch_tokens "
+                              f"{recipe.train.batch_tokens}; make the micro-batch at most the batch {place}")
 
 
 BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")
 """What may follow `--force` as its value (jsonargparse's bool words); anything else is the next argument."""
 
 
+class RecipeSources:
+    """Which input set each recipe key, read from the argv of `parse_recipe`: recipe files
+    (`--config FILE`, the positional recipe becomes one) and `--section.key value` flags, the later
+    one winning as in the parser. A key nobody set (a default) is the first recipe file's, where one
+    was given: that is where the user would set it."""
+
+    def __init__(self, argv: list[str]):
+        self.setters: list[tuple[str, set[str]]] = []  # (label, keys it sets), in argv order
+        self.files: list[str] = []
+        i = 0
+        while i < len(argv):
+            arg = argv[i]
+            if arg.startswith("--") and len(arg) > 2:
+                name, eq, value = arg[2:].partition("=")
+                if name == "config":
+                    path = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+                    if path:
+                        self.files.append(path)
+                        self.setters.append((path, _yaml_keys(Path(path))))
+                elif name not in ("force", "help", "print_config"):
+                    self.setters.append((f"{COMMAND_LINE} --{name}", {name}))
+            i += 1
+
+    def label(self, key: str) -> str:
+        key = key.split("[")[0]  # evaluate.batch_sizes[2] -> evaluate.batch_sizes
+        for label, keys in reversed(self.setters):
+            if any(k == key or key.startswith(k + ".") for k in keys):
+                return label
+        return self.files[0] if self.files else COMMAND_LINE
+
+
+def _yaml_keys(path: Path) -> set[str]:
+    """Dotted keys a recipe file sets (`train.lr`); empty when it cannot be read (the parser says why)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return set()
+    keys: set[str] = set()
+
+    def walk(node, prefix: str) -> None:
+        for k, v in node.items() if isinstance(node, dict) else ():
+            name = f"{prefix}{k}"
+            keys.add(name)
+            walk(v, name + ".")
+
+    walk(data, "")
+    return keys
+
+
+def _config_args(argv: list[str]) -> list[list[str]]:
+    """The `--config FILE` arguments of argv, each as it is given (one or two items)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            out.append(argv[i:i + 2])
+            i += 2
+            continue
+        if argv[i].startswith("--config="):
+            out.append([argv[i]])
+        i += 1
+    return out
+
+
+def _parse_error(p: ArgumentParser, argv: list[str], err: BaseException, prog: str) -> DraftsmithError:
+    """The one-line error of a recipe the parser refused, naming its source: the recipe file whose
+    value or key is wrong (its files are parsed alone, one more at a time, to find it), else the
+    command line and, where the parser names it, the flag."""
+    keys = f"`{prog if prog.split()[-1] in (*STAGES, 'run') else 'draftsmith run'} --help` lists the keys"  # doctor's, probe's --help do not
+    for n, args in enumerate(configs := _config_args(argv)):
+        try:
+            p.parse_args([a for c in configs[:n + 1] for a in c])
+        except (argparse.ArgumentError, SystemExit) as e:
+            path = args[1] if len(args) == 2 else args[0].partition("=")[2]
+            return DraftsmithError(f"{path}: {' '.join(str(e).split())}; fix the key or value in the recipe ({keys})")
+    msg = " ".join(str(err).split())
+    key = re.search(r'(?:Parser key|Key) "([^"]+)"', msg)
+    label = f"{COMMAND_LINE} --{key.group(1)}" if key else COMMAND_LINE
+    return DraftsmithError(f"{label}: {msg}; fix the flag ({keys})")
+
+
 def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe, bool]:
-    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`; values are checked (check_recipe)."""
+    """Parse a recipe from `[RECIPE.yaml] [--section.key value ...]`; values are checked (check_recipe).
+    An error names the source of the bad value: the recipe file, or `command line --section.key`."""
     if argv[:1] == ["--force"] and len(argv) > 1 and not argv[1].startswith("-") and argv[1].lower() not in BOOL_WORDS:
         argv = [*argv[1:], "--force"]  # `draftsmith run --force RECIPE.yaml`: the flag, then the recipe
     if argv and not argv[0].startswith("-"):
         path = Path(argv[0])
         if not path.exists():
             raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
-        check_yaml_file(path)
         argv = ["--config", str(path), *argv[1:]]
+    for args in _config_args(argv):  # the positional recipe and any further --config FILE
+        path = Path(args[1] if len(args) == 2 else args[0].partition("=")[2])
+        if not path.exists():
+            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
+        check_yaml_file(path)
     p = recipe_parser(prog, "")
     try:
         cfg = p.parse_args(argv)
     except (argparse.ArgumentError, SystemExit) as e:
-        where = argv[1] if argv[:1] == ["--config"] else "command line"
-        msg = " ".join(str(e).split())
-        raise DraftsmithError(f"{where}: {msg}; fix the key or value (see `draftsmith run --help`)") from None
+        raise _parse_error(p, argv, e, prog) from None
     force = bool(cfg.pop("force", False))
     cfg.pop("config", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         init = p.instantiate_classes(cfg)
     recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
-    where = argv[1] if argv[:1] == ["--config"] else "command line"
-    check_recipe(recipe, where)
+    check_recipe(recipe, RecipeSources(argv))
     return recipe, force

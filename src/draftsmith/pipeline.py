@@ -28,7 +28,7 @@ import yaml
 
 from .artifacts import (PREVIOUS_DIR_TAG, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes, atomic_write_text, fingerprint,
                         fingerprint_path, is_main_rank, load_manifest, log, output_fingerprint, process_cmdline, process_rank,
-                        process_start_time, stage_dir, to_jsonable)
+                        process_start_time, rerun_command, stage_dir, to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -163,11 +163,14 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
             d = stage_dir(run_dir, name)
             if previous_dir(d).exists() and not d.exists():
                 previous_dir(d).rename(d)
+    recipe_path = run_dir / "recipe.yaml"  # written once the checks below pass: a refused command leaves it as it was
     for u in upstream_of(stage, recipe):
         if stage_status(run_dir, u) != "complete":
-            raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run `draftsmith {u}` or `draftsmith run` first")
+            if not recipe_path.exists() and is_main_rank():  # nothing to leave as it was: the hint's recipe, this run's
+                write_recipe(recipe, run_dir)
+            raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run "
+                                  f"{rerun_command(u, run_dir, force=False)} first (or {rerun_command('run', run_dir, force=False)})")
     fp = stage_fingerprint(stage, recipe, run_dir)
-    recipe_path = run_dir / "recipe.yaml"  # written once the checks above pass: a refused command leaves it as it was
     recipe_before = recipe_path.read_bytes() if recipe_path.exists() else None
     write_recipe(recipe, run_dir)
     if prev.exists() and is_main_rank() and not force:

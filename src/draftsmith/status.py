@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import time
 from pathlib import Path
@@ -241,7 +242,7 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[l
             continue
         cmd = f"draftsmith {name} {recipe_path}"
         text = {
-            "failed": f"{name} failed: {s['error']}. " + (f"Hint: {fix_hint(s['error'])}. " if fix_hint(s["error"]) else "")
+            "failed": f"{name} failed: {s['error']}. " + (f"Hint: {fix_hint(s['error'], recipe_path)}. " if fix_hint(s["error"]) else "")
                       + f"Fix that, then rerun `{cmd}`.",
             "interrupted": f"{name} was interrupted; `{cmd}` resumes it after what it finished.",
             "running": f"{name} is running; `draftsmith status {run_dir}` to follow it.",
@@ -291,12 +292,15 @@ FIX_HINTS = [
 ]
 
 
-def fix_hint(error: Optional[str]) -> Optional[str]:
+def fix_hint(error: Optional[str], recipe_path: Optional[Path] = None) -> Optional[str]:
+    """What usually fixes a failure without a fix of its own; its `draftsmith doctor RECIPE` names the
+    run's recipe.yaml when given, so the command can be pasted."""
     if not error or ";" in error:  # a DraftsmithError names its own fix after the ';'
         return None
     low = error.lower()
-    return next((hint for key, hint in FIX_HINTS if key in low),
+    hint = next((hint for key, hint in FIX_HINTS if key in low),
                 "see the traceback in ledger.jsonl (event stage_failed); `draftsmith doctor RECIPE` checks the setup")
+    return hint.replace(" RECIPE`", f" {shlex.quote(str(recipe_path))}`") if recipe_path is not None else hint
 
 
 # ----------------------------------------------------------------------------- facts with sources
@@ -501,7 +505,7 @@ def collect(run_dir: str | Path) -> dict:
     optional = {"regenerate"} | ({"capture"} if (recipe.get("train") or {}).get("online") else set())
     stages = [stage_state(run_dir, s, events) for s in STAGES if s not in optional or stage_dir(run_dir, s).exists()]
     for s in stages:
-        s["fix_hint"] = fix_hint(s["error"]) if s["state"] == "failed" else None
+        s["fix_hint"] = fix_hint(s["error"], run_dir / "recipe.yaml") if s["state"] == "failed" else None
     manifests = _manifests(run_dir)
     found = findings(recipe, manifests)
     return {

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
+                        fix_command, require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
 from .config import Recipe, check_recipe
 from .target.model import read_text_config
 
@@ -58,14 +58,14 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         t = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise DraftsmithError(f"{path}: unreadable ({e}); rerun `draftsmith vocab`") from None
+        raise DraftsmithError(f"{path}: unreadable ({e}); rerun {fix_command('vocab', path, then=('train',))}") from None
     if "d2t" not in t or "t2d" not in t:
-        raise DraftsmithError(f"{path}: lacks d2t/t2d; rerun `draftsmith vocab`")
+        raise DraftsmithError(f"{path}: lacks d2t/t2d; rerun {fix_command('vocab', path, then=('train',))}")
     d2t, t2d = t["d2t"].to(torch.int64), t["t2d"].to(torch.bool)
     ids = draft_ids(d2t)
     if ids.numel() and (ids.min() < 0 or ids.max() >= t2d.numel() or not bool(t2d[ids].all())
                         or int(t2d.sum()) != ids.numel()):
-        raise DraftsmithError(f"{path}: d2t and t2d disagree; delete {path.parent} and rerun `draftsmith vocab`")
+        raise DraftsmithError(f"{path}: d2t and t2d disagree; rerun {fix_command('vocab', path, then=('train',))}")
     return d2t, t2d
 
 

@@ -192,6 +192,35 @@ def _rewrite_capture(c: Ctx, poison: Callable[[Any], None]) -> None:
     (c.run_dir / "capture" / "manifest.json").write_text(json.dumps(m))
 
 
+def _rewrite_vocab(c: Ctx, edit: Callable[[dict], None]) -> None:
+    """Rewrite vocab/vocab.safetensors with `edit` applied and fix the checksum the manifest lists:
+    a vocab that is wrong inside, not a corrupt file."""
+    from safetensors.torch import load_file
+
+    from draftsmith.artifacts import atomic_save_safetensors
+
+    p = c.run_dir / "vocab" / "vocab.safetensors"
+    t = load_file(str(p))
+    edit(t)
+    sha = atomic_save_safetensors(p, t)
+    c.edit_manifest("vocab", lambda m: [f.update(sha256=sha) for f in m.get("files", []) if f.get("file") == p.name])
+
+
+def _junk_data_shard(c: Ctx) -> None:
+    """data/shard-00000 overwritten with junk, the manifest's checksum updated to match: passes the
+    checksum, fails when read."""
+    import hashlib
+
+    p = _shard_path(c, "data")
+    p.write_bytes(b"junk" * 64)
+    sha = hashlib.sha256(p.read_bytes()).hexdigest()
+    c.edit_manifest("data", lambda m: [s.update(sha256=sha) for s in m["shards"] if s["file"] == p.name])
+
+
+def _unmark_t2d(t) -> None:
+    t["t2d"][:] = False  # t2d marks none of the target tokens d2t maps onto
+
+
 def _poison_first_sample(t) -> None:
     a, b = int(t["offsets"][0]), int(t["offsets"][1])
     t["aux_hidden"][a:b] = float("nan")
@@ -669,16 +698,18 @@ CASES: list[Case] = [
          r"data/manifest\.json: path '/etc/passwd' escapes the run directory",
          _copy_then(("data",), lambda c: c.edit_manifest("data", lambda m: m["shards"][0].update(file="/etc/passwd")))),
     Case("manifest_shard_without_file", "manifest", "a shard entry without `file`", "capture", E,
-         r"data/manifest\.json: shard entry 0 .*delete",
+         r"data/manifest\.json: shard entry 0 .*redo the stage with `draftsmith prepare \S+/run/recipe\.yaml --force`",
          _copy_then(("data",), lambda c: c.edit_manifest("data", lambda m: m["shards"][0].pop("file")))),
     Case("manifest_shards_not_list", "manifest", "`shards` edited to a string", "capture", E,
          r"data/manifest\.json: .*shards",
          _copy_then(("data",), lambda c: c.edit_manifest("data", lambda m: m.update(shards="shard-00000.safetensors")))),
     Case("shard_missing", "manifest", "a listed data shard deleted", "capture", E,
-         r"data/manifest\.json: shard shard-00001\.safetensors is listed but missing",
+         r"data/manifest\.json: shard shard-00001\.safetensors is listed but missing; redo the stage with "
+         r"`draftsmith prepare \S+/run/recipe\.yaml --force`, then rerun the command that stopped here$",
          _copy_then(("data",), lambda c: _shard_path(c, "data", 1).unlink())),
     Case("shard_checksum_mismatch", "manifest", "one byte of a data shard changed", "capture", E,
-         r"shard-00000\.safetensors: checksum does not match",
+         r"shard-00000\.safetensors: checksum does not match .*; the shard is corrupt, redo the stage with "
+         r"`draftsmith prepare \S+/run/recipe\.yaml --force`",
          _copy_then(("data",), lambda c: _flip_last_byte(_shard_path(c, "data")))),
     Case("capture_hidden_size_edited", "manifest", "capture/manifest.json hidden_size edited", "train", E,
          r"capture/manifest\.json: hidden_size 7 differs",
@@ -686,6 +717,21 @@ CASES: list[Case] = [
     Case("vocab_file_garbage", "manifest", "vocab/vocab.safetensors overwritten with garbage", "train", E,
          r"vocab\.safetensors: checksum does not match",
          _copy_then(("data", "capture", "vocab"), lambda c: (c.run_dir / "vocab" / "vocab.safetensors").write_bytes(b"junk" * 9))),
+    # fixes that name whole commands: the run's recipe.yaml, every stage to redo (test_badinput runs them)
+    Case("vocab_map_disagrees", "manifest", "vocab/vocab.safetensors whose d2t and t2d disagree (checksum fixed)", "train", E,
+         r"vocab\.safetensors: d2t and t2d disagree; rerun `draftsmith vocab \S+/run/recipe\.yaml --force`, "
+         r"then `draftsmith train \S+/run/recipe\.yaml --force`$",
+         _copy_then(("data", "capture", "vocab"), lambda c: _rewrite_vocab(c, _unmark_t2d))),
+    Case("capture_shard_lacks_key", "manifest", "a capture shard without final_hidden (checksum fixed)", "train", E,
+         r"shard-\d+\.safetensors: capture shard lacks \['final_hidden'\]; rerun `draftsmith capture \S+/run/recipe\.yaml "
+         r"--force`, then `draftsmith train \S+/run/recipe\.yaml --force`$",
+         _copy_then(("data", "capture", "vocab"), lambda c: _rewrite_capture(c, lambda t: t.pop("final_hidden")))),
+    Case("data_shard_junk", "manifest", "a data shard overwritten with junk (checksum fixed)", "capture", E,
+         r"data/shard-00000\.safetensors: unreadable shard .*; redo the stage with `draftsmith prepare \S+/run/recipe\.yaml "
+         r"--force`, then rerun the command that stopped here$", _copy_then(("data",), _junk_data_shard)),
+    Case("upstream_not_complete", "manifest", "train in a fresh run folder (nothing before it ran)", "train", E,
+         r"capture/manifest\.json: stage capture is not complete; run `draftsmith capture \S+/run/recipe\.yaml` first "
+         r"\(or `draftsmith run \S+/run/recipe\.yaml`\)$"),
     # -- non-finite hidden states -----------------------------------------------------------------
     Case("nan_from_target_some", "hidden", "the target gives NaN hidden states for some samples", "capture",
          "skip:rejected_nonfinite", setup=_nan_rows_in_target(2)),
@@ -766,8 +812,27 @@ CASES: list[Case] = [
          r"recipe\.yaml: regenerate\.max_new_tokens 0: must be >= 1", lambda c: [c.recipe(regenerate={"max_new_tokens": 0})]),
     Case("recipe_nan_lr", "recipe", "train.lr: .nan", "prepare", E, r"recipe\.yaml: train\.lr nan: not a finite number",
          lambda c: [c.recipe(train={"lr": float("nan")})]),
+    # a bad value names its source: the flag when it came from the command line, the file when it is in the recipe
     Case("recipe_negative_flag", "recipe", "--train.save_every -1 on the command line", "prepare", E,
-         r"recipe\.yaml: train\.save_every -1: must be >= 1", lambda c: [c.recipe(), "--train.save_every", "-1"]),
+         r"^error: command line --train\.save_every: train\.save_every -1: must be >= 1; fix the value on the command line$",
+         lambda c: [c.recipe(), "--train.save_every", "-1"]),
+    Case("recipe_flag_wrong_type", "recipe", "--train.lr abc on the command line (the recipe file is fine)", "prepare", E,
+         r"^error: command line --train\.lr: .*train\.lr.*abc; fix the flag", lambda c: [c.recipe(), "--train.lr", "abc"]),
+    Case("recipe_flag_bad_method", "recipe", "--evaluate.methods '[foo]' on the command line", "prepare", E,
+         r"^error: command line --evaluate\.methods: evaluate\.methods 'foo': not a method; .*\(on the command line\)$",
+         lambda c: [c.recipe(), "--evaluate.methods", "[foo]"]),
+    Case("recipe_flag_micro_batch", "recipe", "--train.micro_batch_tokens larger than the recipe's train.batch_tokens", "prepare", E,
+         r"^error: command line --train\.micro_batch_tokens: train\.micro_batch_tokens 4096 > train\.batch_tokens 128",
+         lambda c: [c.recipe(), "--train.micro_batch_tokens", "4096"]),
+    Case("recipe_file_value_beside_flags", "recipe", "train.save_every: -1 in the file, other keys given as flags", "prepare", E,
+         r"^error: \S*recipe\.yaml: train\.save_every -1: must be >= 1; fix the value in the recipe$",
+         lambda c: [c.recipe(train={"save_every": -1}), "--train.lr", "1e-3"]),
+    Case("recipe_file_type_beside_flags", "recipe", "train.lr: abc in the file, overridden by --train.lr 1e-3", "prepare", E,
+         r"^error: \S*recipe\.yaml: .*train\.lr.*abc; fix the key or value in the recipe",
+         lambda c: [c.recipe(train={"lr": "abc"}), "--train.lr", "1e-3"]),
+    Case("recipe_file_method_beside_flags", "recipe", "evaluate.methods: [foo] in the file, --evaluate.draft_steps 3 as a flag",
+         "prepare", E, r"^error: \S*recipe\.yaml: evaluate\.methods 'foo': not a method; .*\(in the recipe\)$",
+         lambda c: [c.recipe(evaluate={"methods": ["foo"]}), "--evaluate.draft_steps", "3"]),
     Case("recipe_yaml_alias_bomb", "recipe", "a recipe whose YAML aliases expand to 9^9 values", "prepare", E,
          r"recipe\.yaml: its aliases expand to more than 100,000 values", _raw_recipe(ALIAS_BOMB)),
     Case("recipe_too_large", "recipe", "a 2 MB recipe file", "prepare", E, r"recipe\.yaml: 2,097,\d+ bytes, too large",
@@ -785,7 +850,7 @@ CASES: list[Case] = [
     Case("refused_rerun_keeps_output", "run dir", "a complete prepare rerun with inputs it refuses", "prepare", E,
          r"good\.json: no sample kept", _refused_rerun),
     Case("token_counts_flipped", "manifest", "one byte of data/token_counts.safetensors changed", "vocab", E,
-         r"token_counts\.safetensors: checksum does not match",
+         r"token_counts\.safetensors: checksum does not match .*redo the stage with `draftsmith prepare \S+/run/recipe\.yaml --force`",
          _copy_then(("data",), lambda c: _flip_last_byte(c.run_dir / "data" / "token_counts.safetensors"))),
     Case("capture_shard_flipped_on_resume", "manifest", "a capture shard changed under a half-done train", "train", E,
          r"capture/shard-00000\.safetensors: checksum does not match", _resume_with_flipped_capture),

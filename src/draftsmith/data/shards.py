@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from ..artifacts import DraftsmithError, atomic_save_safetensors
+from ..artifacts import DraftsmithError, atomic_save_safetensors, load_manifest, redo_stage_hint
 
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -139,15 +139,25 @@ def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[
             "num_loss_tokens": int(tensors["loss_mask"].sum())}
 
 
+def _redo(shard: str | Path) -> str:
+    """The fix for a damaged shard: the command that redoes the stage of its folder (artifacts.redo_stage_hint)."""
+    folder = Path(shard).parent
+    try:
+        manifest = load_manifest(folder)
+    except (DraftsmithError, OSError):
+        manifest = None
+    return redo_stage_hint(folder, manifest)
+
+
 def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
     """Samples of a shard; hidden states as stored, fp8 ones decoded to float32."""
     try:
         t = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise DraftsmithError(f"{path}: unreadable shard ({e}); delete its stage folder and rerun the stage") from None
+        raise DraftsmithError(f"{path}: unreadable shard ({e}); {_redo(path)}") from None
     need = {"input_ids", "loss_mask", "offsets", "sample_index"}
     if not need <= set(t):
-        raise DraftsmithError(f"{path}: shard lacks {sorted(need - set(t))}; it was not written by draftsmith, rerun its stage")
+        raise DraftsmithError(f"{path}: shard lacks {sorted(need - set(t))}; it was not written by draftsmith, {_redo(path)}")
     off = t["offsets"].tolist()
     ids = source_ids(path, len(off) - 1)
     hidden = with_hidden and "aux_hidden" in t
@@ -180,7 +190,7 @@ def source_ids(path: str | Path, num_samples: int, metadata: Optional[dict] = No
         ids = None
     if not isinstance(ids, list) or len(ids) != num_samples or not all(isinstance(i, str) for i in ids):
         raise DraftsmithError(f"{path}: metadata `{SOURCE_IDS}` is not a list of {num_samples} strings; the shard is "
-                              "damaged, delete its stage folder and rerun the stage")
+                              f"damaged, {_redo(path)}")
     return ids
 
 

@@ -8,12 +8,13 @@ kv heads, head_dim and MLP width default to the target's unless DraftConfig sets
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
-from ..artifacts import DraftsmithError
+from ..artifacts import DraftsmithError, fix_command
 from ..config import DraftConfig
 from .model import Eagle3Config, Eagle3Drafter
 
@@ -78,15 +79,18 @@ def drafter_config(target_text_config: Any, draft_cfg: DraftConfig, draft_vocab_
 
 
 def init_drafter(cfg: Eagle3Config, embed_weight: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-                 seed: int, std: float = 0.02) -> Eagle3Drafter:
+                 seed: int, std: float = 0.02, vocab_path: Optional[str | Path] = None) -> Eagle3Drafter:
     """A float32 drafter on CPU: linears ~ N(0, std) from `seed`, norms 1, the embedding copied
-    from the target (frozen), d2t/t2d set."""
+    from the target (frozen), d2t/t2d set. `vocab_path`: the file d2t/t2d were read from (named
+    by the error when they do not fit, with the commands that rebuild it)."""
     if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise DraftsmithError(f"target embedding has shape {tuple(embed_weight.shape)}, the drafter needs "
                               f"({cfg.vocab_size}, {cfg.hidden_size}); the target config and weights disagree")
     if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
-        raise DraftsmithError(f"vocab/vocab.safetensors: d2t has {d2t.numel()} entries and t2d {t2d.numel()}, the drafter needs "
-                              f"{cfg.draft_vocab_size} and {cfg.vocab_size}; rerun `draftsmith vocab`")
+        fix = (f"rerun {fix_command('vocab', vocab_path, then=('train',))}" if vocab_path is not None
+               else "build d2t/t2d for this drafter config")
+        raise DraftsmithError(f"{vocab_path or 'd2t/t2d'}: d2t has {d2t.numel()} entries and t2d {t2d.numel()}, the drafter "
+                              f"needs {cfg.draft_vocab_size} and {cfg.vocab_size}; {fix}")
     model = Eagle3Drafter(cfg)
     gen = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():

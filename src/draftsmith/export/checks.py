@@ -7,21 +7,25 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError
+from ..artifacts import DraftsmithError, fix_command
 from ..draft.build import rope_settings
 from ..draft.model import Eagle3Config
 
 
-def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -> None:
-    """d2t offsets must land inside the target vocab, on distinct tokens, all marked in t2d."""
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, where: str, fix: Optional[str] = None) -> None:
+    """d2t offsets must land inside the target vocab, on distinct tokens, all marked in t2d. `fix`:
+    what the error tells the user to do; default, for a drafter of a run (`where` inside its run
+    directory): the commands that rebuild the vocab, retrain and export again."""
+    if fix is None:
+        fix = f"rerun {fix_command('vocab', where, then=('train', 'export'))}"
     target_ids = torch.arange(d2t.numel()) + d2t.long()
     V = t2d.numel()
     if int(target_ids.min()) < 0 or int(target_ids.max()) >= V:
-        raise DraftsmithError(f"{where}: d2t maps a draft token outside the target vocab of {V}; rerun `draftsmith vocab` and retrain")
+        raise DraftsmithError(f"{where}: d2t maps a draft token outside the target vocab of {V}; {fix}")
     if target_ids.unique().numel() != target_ids.numel():
-        raise DraftsmithError(f"{where}: d2t maps two draft tokens to one target token; rerun `draftsmith vocab` and retrain")
+        raise DraftsmithError(f"{where}: d2t maps two draft tokens to one target token; {fix}")
     if int(t2d.sum()) != d2t.numel() or not bool(t2d[target_ids].all()):
-        raise DraftsmithError(f"{where}: t2d does not mark exactly the d2t targets; rerun `draftsmith vocab` and retrain")
+        raise DraftsmithError(f"{where}: t2d does not mark exactly the d2t targets; {fix}")
 
 
 def check_target(cfg: Eagle3Config, target_cfg, where: str) -> tuple[float, Optional[dict], int]:

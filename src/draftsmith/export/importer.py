@@ -154,7 +154,8 @@ def build_drafter(cfg: Eagle3Config, state: dict[str, torch.Tensor], embed_token
     if what:
         raise DraftsmithError(f"{where}: weights do not fit draftsmith's EAGLE-3 drafter ({what}); "
                               "only Llama-style EAGLE-3 drafters without biases can be imported")
-    check_vocab_map(state["d2t"], state["t2d"], where)
+    check_vocab_map(state["d2t"], state["t2d"], where,
+                    fix="the checkpoint's vocab map is broken; export it again from the run that trained it")
     model.load_state_dict({k: v.to(want[k].dtype) for k, v in state.items()}, strict=True)
     model.embed_tokens.weight.requires_grad_(False)
     return model.eval()

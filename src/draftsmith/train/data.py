@@ -38,7 +38,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError
+from ..artifacts import DraftsmithError, fix_command
 from ..data.batch import Batch, empty_batch
 from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard, source_ids
 
@@ -88,22 +88,22 @@ class CaptureIndex(_Lengths):
                 h = safe_open(str(p), framework="pt")
                 keys = set(h.keys())
             except (SafetensorError, OSError) as e:
-                raise DraftsmithError(f"{p}: unreadable capture shard ({e}); delete the capture folder and rerun `draftsmith capture`") from None
+                raise DraftsmithError(f"{p}: unreadable capture shard ({e}); rerun {fix_command('capture', p, then=('train',))}") from None
             missing = [k for k in REQUIRED if k not in keys]
             if missing:
-                raise DraftsmithError(f"{p}: capture shard lacks {missing}; delete the capture folder and rerun `draftsmith capture`")
+                raise DraftsmithError(f"{p}: capture shard lacks {missing}; rerun {fix_command('capture', p, then=('train',))}")
             aux_shape = h.get_slice("aux_hidden").get_shape()
             fin_shape = h.get_slice("final_hidden").get_shape()
             if aux_shape[-1] != num_aux * hidden_size or fin_shape[-1] != hidden_size:
                 raise DraftsmithError(f"{p}: aux_hidden width {aux_shape[-1]} / final_hidden width {fin_shape[-1]} do not match "
-                                      f"{num_aux} aux layers x hidden {hidden_size}; the capture is from another target, rerun `draftsmith capture`")
+                                      f"{num_aux} aux layers x hidden {hidden_size}; the capture is from another target, rerun {fix_command('capture', p, then=('train',))}")
             self._handles[si] = h
             ids, mask, off = h.get_tensor("input_ids").long(), h.get_tensor("loss_mask").bool(), h.get_tensor("offsets").tolist()
             records = h.get_tensor("sample_index").tolist() if "sample_index" in keys else [None] * (len(off) - 1)
             ids_of = source_ids(p, len(off) - 1, h.metadata() or {}) or [None] * (len(off) - 1)
             if off[-1] != ids.shape[0] or aux_shape[0] != ids.shape[0] or fin_shape[0] != ids.shape[0]:
                 raise DraftsmithError(f"{p}: offsets/rows disagree ({off[-1]} offsets end, {ids.shape[0]} tokens, "
-                                      f"{aux_shape[0]} aux rows); delete the capture folder and rerun `draftsmith capture`")
+                                      f"{aux_shape[0]} aux rows); rerun {fix_command('capture', p, then=('train',))}")
             for a, b, rec, sid in zip(off[:-1], off[1:], records, ids_of):
                 n = trainable_length(mask[a:b], self.max_length)
                 if not n:

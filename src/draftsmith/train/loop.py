@@ -482,7 +482,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         raise DraftsmithError(f"{source.dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
                               f"({index.dropped} dropped); check prepare's loss masks and max_length")
     cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
-    drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed).to(device)
+    drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed, vocab_path=vocab_dir / VOCAB_FILE).to(device)
     head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)  # target lm_head rows of the draft vocab
     if tc.head_init == "target":  # a resumed run overwrites it with its checkpoint below
         with torch.no_grad():
