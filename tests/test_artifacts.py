@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -101,7 +103,9 @@ def _tiny_recipe(tmp_path: Path) -> Recipe:
 
 @pytest.fixture
 def fake_stage(monkeypatch):
-    """`prepare`'s entry in the stage table replaced by a stage that records its calls; fingerprint fixed."""
+    """`prepare`'s entry in the stage table replaced by a stage that records its calls, run on every rank under
+    torchrun as capture and train are (distributed=True; test_pipeline_rank1_leaves_a_rank0_stage_to_rank0 sets it
+    back); fingerprint fixed."""
     mod = types.SimpleNamespace()
     mod.calls = []
     mod.rank0 = None  # when set: called after this rank's writes, to stand for rank 0 finishing
@@ -118,7 +122,8 @@ def fake_stage(monkeypatch):
         return m
 
     mod.run = run
-    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], run=run))
+    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], run=run,
+                                                                                         distributed=True))
     monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir: "fp-prepare")
     return mod
 
@@ -221,11 +226,40 @@ def test_pipeline_rank1_resumes_running_stage(tmp_path, fake_stage, rank1, monke
     atomic_write_json(out / MANIFEST, new_manifest("prepare", "fp-prepare", {}, {}))
     (out / "shard-00000.safetensors").write_bytes(b"kept")
     monkeypatch.setenv("DRAFTSMITH_RANK0_WAIT_S", "0.2")
-    with pytest.raises(DraftsmithError, match="rank 1 finished stage prepare but rank 0 did not"):
+    with pytest.raises(DraftsmithError, match="rank 1 waits for rank 0's complete manifest of stage prepare, but rank 0 wrote nothing"):
         pipeline.run_stage("prepare", recipe)
     assert fake_stage.calls == [("wrote", True), ("finished", True)]  # rank 0's running manifest, untouched
     assert load_manifest(out)["status"] == "running" and (out / "shard-00000.safetensors").read_bytes() == b"kept"
     assert not (Path(recipe.run_dir) / LEDGER).exists()
+
+
+def test_pipeline_rank1_leaves_a_rank0_stage_to_rank0(tmp_path, fake_stage, rank1, monkeypatch):
+    """A stage that is not distributed (prepare, regenerate, vocab, evaluate, export) does not run on rank 1: it
+    waits for rank 0's complete manifest (the limit counting from rank 0's last write in the stage folder), writes
+    nothing, and returns rank 0's manifest."""
+    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], distributed=False))
+    recipe = _tiny_recipe(tmp_path)
+    run_dir, out = Path(recipe.run_dir), stage_dir(recipe.run_dir, "prepare")
+    monkeypatch.setenv("DRAFTSMITH_RANK0_WAIT_S", "1.5")
+    with pytest.raises(DraftsmithError, match="rank 0 wrote nothing in .* for 1.5 s"):
+        pipeline.run_stage("prepare", recipe)
+    assert fake_stage.calls == [] and list(run_dir.iterdir()) == []  # no recipe.yaml, ledger or manifest from rank 1
+
+    def rank0():  # rank 0, in another process: writes its running manifest, works past rank 1's limit, finishes
+        m = new_manifest("prepare", "fp-prepare", {}, {})
+        for i in range(5):  # 2 s in all, a write every 0.4 s
+            atomic_write_json(out / MANIFEST, {**m, "counts": {"done": i}})
+            time.sleep(0.4)
+        atomic_write_json(out / MANIFEST, {**m, "status": "complete", "by": "rank0"})
+
+    worker = threading.Thread(target=rank0)
+    worker.start()
+    try:
+        m = pipeline.run_stage("prepare", recipe)
+    finally:
+        worker.join()
+    assert m["by"] == "rank0" and fake_stage.calls == []
+    assert not (run_dir / LEDGER).exists() and not (run_dir / "recipe.yaml").exists()
 
 
 def test_temp_names_are_made_in_one_place():

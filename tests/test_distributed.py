@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import torch.multiprocessing as mp
 
 import draftsmith.train.loop as loop
 from draftsmith import cli
-from draftsmith.artifacts import load_manifest, read_json
+from draftsmith.artifacts import load_manifest, read_json, read_jsonl
 from draftsmith.draft.io import load_drafter
 from draftsmith.testing import make_model_dir
 from draftsmith.distributed import destroy_distributed
@@ -134,11 +135,11 @@ def test_checkpoint_after_an_eval_that_is_not_the_best(tmp_path, setup):
 def _cli_worker(rank, world, port, argv, out_dir):
     """Rank `rank` runs one CLI command, as a torchrun rank does, and records its exit status, how
     many process groups it set up, and whether one is still up after it. Its stderr (fd 2, so
-    torch's C++ warnings at exit too) goes to out_dir/stderr-RANK.txt."""
+    torch's C++ warnings at exit too) goes to out_dir/stderr-RANK.txt, its stdout to stdout-RANK.txt."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    err = os.open(os.path.join(out_dir, f"stderr-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(err, 2)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(os.path.join(out_dir, f"{name}-{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     inits, real_init = [], dist.init_process_group
 
     def counting_init(*a, **k):
@@ -147,13 +148,14 @@ def _cli_worker(rank, world, port, argv, out_dir):
 
     dist.init_process_group = counting_init
     rc = cli.main(argv)
+    sys.stdout.flush()
     with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
         json.dump({"rc": rc, "inits": inits, "group_up": dist.is_initialized()}, f)
 
 
 def run_cli_ranks(world, argv, out_dir, timeout_s=600):
     """`draftsmith ARGV` on `world` ranks (one command per process, as under torchrun); returns
-    (result, stderr text) per rank. A rank left waiting in a collective fails the test after
+    (result, stderr text, stdout text) per rank. A rank left waiting in a collective fails the test after
     timeout_s instead of hanging it."""
     out_dir.mkdir()
     ctx = mp.start_processes(_cli_worker, args=(world, _free_port(), argv, str(out_dir)), nprocs=world, join=False,
@@ -167,11 +169,12 @@ def run_cli_ranks(world, argv, out_dir, timeout_s=600):
             if proc.is_alive():
                 proc.kill()
     # read after join: a warning at exit (a group never destroyed) is written when the process ends
-    return [(read_json(out_dir / f"result-{r}.json"), (out_dir / f"stderr-{r}.txt").read_text()) for r in range(world)]
+    return [(read_json(out_dir / f"result-{r}.json"), (out_dir / f"stderr-{r}.txt").read_text(), (out_dir / f"stdout-{r}.txt").read_text())
+            for r in range(world)]
 
 
 def check_torn_down(results, rc):
-    for rank, (res, stderr) in enumerate(results):
+    for rank, (res, stderr, _) in enumerate(results):
         assert res["rc"] == rc, (rank, stderr[-3000:])
         assert res["inits"] == ["gloo"], res  # one group for the whole command, however many stages use it
         assert not res["group_up"], rank
@@ -181,23 +184,35 @@ def check_torn_down(results, rc):
 
 
 def test_cli_commands_destroy_their_process_group(tmp_path):
-    """Under torchrun (2 gloo ranks): `draftsmith run` (prepare done beforehand) sets up one group,
-    which capture and then train use in the same process, and tears it down when it ends; a
-    command that fails after the group is up (train refuses a batch that does not divide over the
-    ranks: every rank raises, exit 2) tears it down too, without a barrier."""
+    """Under torchrun (2 gloo ranks): `draftsmith run` on a fresh run directory runs prepare, vocab,
+    evaluate and export on rank 0 alone (rank 1 waits for each complete manifest) and capture and
+    train on both; it sets up one group, which capture and then train use in the same process, and
+    tears it down when it ends; rank 0 alone prints the status table. A command that fails after
+    the group is up (train refuses a batch that does not divide over the ranks: every rank raises,
+    exit 2) tears it down too, without a barrier."""
     target = make_model_dir(tmp_path / "target", num_layers=4, hidden_size=64)
     run_dir = tmp_path / "run"
     recipe = str(write_recipe(tmp_path, target, run_dir, max_steps=4))
-    assert cli.main(["prepare", recipe]) == 0  # prepare is not rank-aware: every rank would write the token shards
-    check_torn_down(run_cli_ranks(2, ["run", recipe], tmp_path / "run-ranks"), rc=0)
+    results = run_cli_ranks(2, ["run", recipe], tmp_path / "run-ranks")
+    check_torn_down(results, rc=0)
     for stage in ("data", "capture", "vocab", "train", "eval", "export"):
         assert load_manifest(run_dir / stage)["status"] == "complete", stage
     assert load_manifest(run_dir / "capture")["world_size"] == 2
     assert load_manifest(run_dir / "train")["world_size"] == 2
+    events = [(e["event"], e["stage"]) for e in read_jsonl(run_dir / "ledger.jsonl") if "stage" in e]
+    for stage in ("prepare", "capture", "vocab", "train", "evaluate", "export"):  # each ran once, from start to end
+        assert [ev for ev, st in events if st == stage] == ["stage_started", "stage_finished"], (stage, events)
+    (_, err0, out0), (_, err1, out1) = results
+    for stage in ("prepare", "vocab", "evaluate", "export"):  # rank 1 ran none of them: it waited, or found it done
+        said = [line for line in err1.splitlines() if line.startswith(f"[{stage}]")]
+        assert said in ([f"[{stage}] runs on rank 0 only; rank 1 waits for its complete manifest"],
+                         [f"[{stage}] complete for these inputs; skipped"]), (stage, said)
+        assert f"[{stage}] runs on rank 0 only" not in err0 and f"[{stage}] complete" not in err0, stage
+    assert out0.strip() and not out1.strip()  # the status table, once
     # 256 tokens in micro-batches of 256: one micro-batch per step, which 2 ranks cannot share
     failed = run_cli_ranks(2, ["train", recipe, "--train.micro_batch_tokens", "256"], tmp_path / "fail-ranks")
     check_torn_down(failed, rc=2)
-    assert all("not a multiple of the world size 2" in stderr for _, stderr in failed)
+    assert all("not a multiple of the world size 2" in stderr for _, stderr, _ in failed)
     assert load_manifest(run_dir / "train")["status"] == "complete"  # the refused run put the complete output back
 
 

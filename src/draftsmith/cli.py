@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .artifacts import DraftsmithError
+from .artifacts import DraftsmithError, is_main_rank
 from .config import STAGES, parse_recipe, recipe_parser
 
 RUN_HELP = "every stage in order (skips complete stages, resumes a half-done one)"
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         with distributed.process_group_scope():  # under torchrun: one group for all the stages, torn down at the end
             if command == "run":
                 pipeline.run_all(recipe, force=force, wait_lock=wait_lock)
-                print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
+                if is_main_rank():  # under torchrun: one table, not one per rank
+                    print(status.render(Path(recipe.run_dir), as_json=False, brief=True))
             else:
                 pipeline.run_stage(command, recipe, force=force, wait_lock=wait_lock)
         return 0

@@ -10,9 +10,11 @@ larger train.max_minutes: it continues from its checkpoint) or for less (it star
 manifest says `running` with the same fingerprint resumes from what it listed; one with
 another fingerprint starts over in a clean folder.
 
-Under torchrun every rank runs the same stages, but only rank 0 writes the ledger and the
-manifests (artifacts.is_main_rank); the other ranks read them to skip or resume, and after a
-stage wait for rank 0's complete manifest before going on to the next one.
+Under torchrun only rank 0 writes the ledger, the manifests and recipe.yaml (artifacts.is_main_rank).
+The distributed stages (the table's `distributed`: capture, train) run on every rank; the other
+ranks read rank 0's manifests to skip or resume, and after the stage wait for rank 0's complete
+manifest before going on. The other stages (prepare, regenerate, vocab, evaluate, export) run on
+rank 0 only: the other ranks skip straight to that wait.
 """
 from __future__ import annotations
 
@@ -172,7 +174,8 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
                                   f"{rerun_command(u, run_dir, force=False)} first (or {rerun_command('run', run_dir, force=False)})")
     fp = stage_fingerprint(stage, recipe, run_dir)
     recipe_before = recipe_path.read_bytes() if recipe_path.exists() else None
-    write_recipe(recipe, run_dir)
+    if is_main_rank():
+        write_recipe(recipe, run_dir)
     if prev.exists() and is_main_rank() and not force:
         pm = load_manifest(prev)
         if pm is not None and pm.get("status") == "complete" and pm.get("fingerprint") == fp:
@@ -187,6 +190,9 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
         log(f"[{stage}] complete for these inputs; skipped")
         ledger.append("stage_skipped", stage=stage, fingerprint=fp)
         return m
+    if not is_main_rank() and not STAGE_TABLE[stage].distributed:  # rank 0 alone runs it (every rank writing its files collides)
+        log(f"[{stage}] runs on rank 0 only; rank {process_rank()} waits for its complete manifest")
+        return wait_for_rank0(out_dir, stage, fp)
     if verdict == "continue":
         log(f"[{stage}] {why}")
     if m is not None and (force or m["fingerprint"] != fp or verdict == "restart") and is_main_rank():
@@ -249,23 +255,38 @@ def _restore(out_dir: Path, prev: Path, quiet: bool = False) -> None:
 
 
 RANK0_WAIT_S = 3600.0
-"""How long a rank other than 0 waits for rank 0's complete manifest after a stage
-(DRAFTSMITH_RANK0_WAIT_S overrides it). torchrun stops every rank when one fails, so this
-only bounds a rank 0 that hangs."""
+"""How long a rank other than 0 waits for rank 0's complete manifest of a stage while rank 0 writes
+nothing in the stage's folder (DRAFTSMITH_RANK0_WAIT_S overrides it). torchrun stops every rank
+when one fails, so this only bounds a rank 0 that hangs; a long stage that rank 0 runs alone
+(regenerate, evaluate) keeps the other ranks waiting as long as it writes its shards or progress."""
+
+
+def _last_write(out_dir: Path) -> float:
+    """The latest modification time among out_dir and the files in it (0 when it is missing)."""
+    try:
+        with os.scandir(out_dir) as it:
+            times = [e.stat(follow_symlinks=False).st_mtime for e in it]
+        return max([out_dir.stat().st_mtime, *times])
+    except OSError:  # missing, or an entry replaced while listing: no progress seen this time
+        return 0.0
 
 
 def wait_for_rank0(out_dir: Path, stage: str, fp: str, poll_s: float = 0.5) -> dict:
     """On a rank other than 0: rank 0's manifest of `stage` once it is complete for `fp`.
-    Rank 0 alone writes manifests, so the next stage's upstream check must not run before it."""
+    Rank 0 alone writes manifests, so the next stage's upstream check must not run before it.
+    The limit counts from rank 0's last write in out_dir (a stage it runs alone can take hours)."""
     limit = float(os.environ.get("DRAFTSMITH_RANK0_WAIT_S", RANK0_WAIT_S))
-    deadline = time.monotonic() + limit
+    seen, deadline = _last_write(out_dir), time.monotonic() + limit
     while True:
         m = load_manifest(out_dir)  # rank 0 writes it atomically: the old one or the whole new one
         if m is not None and m.get("status") == "complete" and m.get("fingerprint") == fp:
             return m
-        if time.monotonic() >= deadline:
-            raise DraftsmithError(f"{out_dir / 'manifest.json'}: rank {process_rank()} finished stage {stage} but rank 0 did not "
-                                  f"write its complete manifest within {limit:g} s; check rank 0's log, then rerun "
+        now, last = time.monotonic(), _last_write(out_dir)
+        if last != seen:  # rank 0 is at work on the stage
+            seen, deadline = last, now + limit
+        if now >= deadline:
+            raise DraftsmithError(f"{out_dir / 'manifest.json'}: rank {process_rank()} waits for rank 0's complete manifest of stage "
+                                  f"{stage}, but rank 0 wrote nothing in {out_dir} for {limit:g} s; check rank 0's log, then rerun "
                                   "(set DRAFTSMITH_RANK0_WAIT_S to wait longer)")
         time.sleep(poll_s)
 

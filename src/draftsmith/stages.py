@@ -37,16 +37,20 @@ class Stage:
     """For a key left out that can still matter (train.max_minutes, regenerate.timeout_s): `revisit(manifest, recipe)` of a
     complete output with the same fingerprint -> (verdict, why): "done" (skip it), "continue" (run
     the stage on it: it resumes from what it saved) or "restart" (start over, as for other inputs)."""
+    distributed: bool = False
+    """Runs on every rank under torchrun (it sets up the process group: capture, train, online training).
+    A stage that is not runs on rank 0 only; the other ranks wait for its complete manifest (pipeline.py)."""
 
 
 STAGE_TABLE: dict[str, Stage] = {
     "prepare": Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), ()),
     "regenerate": Stage(regenerate.run, "optional: the target rewrites the assistant turns (regenerate.enabled)",
                         ("regenerate",), ("prepare",), regenerate.UNFINGERPRINTED, regenerate.retry_verdict),
-    "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate")),
+    "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate"),
+                     distributed=True),
     "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
     "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
-                   ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict),
+                   ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict, distributed=True),
     "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
                       ("train",)),
     "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),
