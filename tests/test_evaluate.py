@@ -274,3 +274,27 @@ def test_ngram_draft_length_is_its_own_setting():
     assert [method_depth(cfg, m) for m in ("eagle3_chain", "eagle3_tree", "ngram")] == [2, 2, 3]
     with pytest.raises(DraftsmithError, match="evaluate.ngram_steps"):
         check_recipe(Recipe(evaluate=EvaluateConfig(ngram_steps=0)), "recipe.yaml")
+
+
+@pytest.mark.capture_fallback
+def test_evaluate_records_capture_fallbacks(recipe, monkeypatch):
+    """A CUDA-graph capture that falls back to eager during evaluate is listed in results.json and
+    counted in the manifest (its timings are eager ones); the outputs stay lossless. The graphs path
+    runs on the CPU with emulated capture (test_fast.fast_mode); the verify forward's capture fails."""
+    import test_fast
+    from draftsmith.speculate import fast
+
+    monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": mode)
+    test_fast.fast_mode("emulated", monkeypatch)
+
+    def capture(fn, args=(), state=None):
+        if getattr(fn, "__name__", "") == "verify_rows":
+            raise RuntimeError("this call cannot be captured")
+        return test_fast.emulated_capture(fn, args, state)
+    monkeypatch.setattr("draftsmith.speculate.cache.capture", capture)
+    recipe.evaluate.fast, recipe.evaluate.methods, recipe.evaluate.batch_sizes = "graphs", ["eagle3_chain"], [1]
+    m = pipeline.run_stage("evaluate", recipe)
+    res = read_json(recipe.run_dir + "/eval/results.json")
+    assert res["capture_fallbacks"] and all("verify_rows" in f for f in res["capture_fallbacks"])
+    assert m["metrics"]["capture_fallbacks"] == len(res["capture_fallbacks"]) and m["metrics"]["path"] == "graphs"
+    assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())

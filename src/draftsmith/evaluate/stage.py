@@ -23,6 +23,7 @@ from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atom
 from ..config import Recipe, check_recipe
 from ..data.readers import load_prompts
 from ..draft.io import load_drafter, read_drafter_config
+from ..speculate.cache import CAPTURE_FALLBACKS
 from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
 from .measure import (DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, method_depth, run_method, run_plain,
@@ -121,6 +122,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     target, drafter = load_models(recipe, drafter_dir)
     runners = DecodeRunners(target, drafter, cfg.fast)
+    n_fallbacks = len(CAPTURE_FALLBACKS)  # this stage's CUDA-graph captures that fall back to eager, at the end
     rounds = ("; greedy EAGLE-3 rounds on the device" if cfg.resident and cfg.temperature <= 0 and runners.mode != "off"
               else "")
     log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
@@ -203,9 +205,13 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if step_costs:
         step_costs.update(overheads(summary, step_costs, cfg))
     summary["path"] = runners.mode
+    fallbacks = CAPTURE_FALLBACKS[n_fallbacks:]
+    if fallbacks:  # those calls ran eagerly: their timings are not the graphs path's
+        log(f"[evaluate] WARNING: {len(fallbacks)} CUDA-graph capture(s) fell back to eager (capture_fallbacks in results.json)")
     summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
     atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,
-                                                 "prompts": records, "batches": batch_records, "prompts_too_long": too_long})
+                                                 "prompts": records, "batches": batch_records, "prompts_too_long": too_long,
+                                                 "capture_fallbacks": fallbacks})
     atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
     atomic_write_bytes(out_dir / "acceptance.png", plot_acceptance(summary))
     print_table(table_rows(summary))
@@ -228,7 +234,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                                if "per_position" in s},
         "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
         "speedup": o.get("speedup"), "num_prompts": len(records), "draft_steps": cfg.draft_steps,
-        "path": runners.mode,
+        "path": runners.mode, "capture_fallbacks": len(fallbacks),
         "plain_decode_bw_fraction": (summary["roofline"] or {}).get("fraction_of_measured_bw"),
         "plain_decode_bw_fraction_nominal": (summary["roofline"] or {}).get("fraction_of_nominal_bw"),
         "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
