@@ -248,3 +248,32 @@ def test_a_group_set_up_before_the_command_is_left_to_its_owner(tmp_path):
     with process_group_scope():  # a group set up inside the scope goes with it
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
     assert not dist.is_initialized()
+
+
+def test_a_failed_end_of_command_barrier_is_a_one_line_error(monkeypatch):
+    """The barrier at a command's end fails when another rank died: a DraftsmithError (the CLI's
+    one-line error, exit 2), not a traceback; after an error of the command itself that error is
+    the one raised, and the group is torn down either way."""
+    from draftsmith import distributed
+    from draftsmith.artifacts import DraftsmithError
+
+    state = {"up": False, "destroyed": 0}
+
+    def barrier():
+        raise RuntimeError("Connection closed by peer [rank 1]")
+
+    def destroy():
+        state["destroyed"] += 1
+        state["up"] = False
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(distributed.dist, "barrier", barrier)
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", destroy)
+    with pytest.raises(DraftsmithError, match="barrier at its end failed .*Connection closed.*another rank"):
+        with distributed.process_group_scope():
+            state["up"] = True  # a stage set the group up
+    assert state["destroyed"] == 1
+    with pytest.raises(ValueError, match="the stage's own error"):
+        with distributed.process_group_scope():
+            state["up"] = True
+            raise ValueError("the stage's own error")
+    assert state["destroyed"] == 2

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .artifacts import DraftsmithError, torchrun_ranks
+from .artifacts import DraftsmithError, process_rank, torchrun_ranks
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -140,4 +140,10 @@ def process_group_scope() -> Iterator[None]:
         ok = True
     finally:
         if owned:
-            destroy_distributed(sync=ok)
+            try:
+                destroy_distributed(sync=ok)
+            except RuntimeError as e:  # torch's collective errors (a peer that died) are RuntimeErrors
+                if ok:  # after an error, that error is the one to report
+                    raise DraftsmithError(f"rank {process_rank()}: the command's work is done, but the barrier at its end "
+                                          f"failed ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}): another "
+                                          "rank ended with an error or died; see that rank's log") from e
