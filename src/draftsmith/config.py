@@ -641,16 +641,16 @@ def _yaml_keys(path: Path) -> set[str]:
     return keys
 
 
-def _config_args(argv: list[str]) -> list[list[str]]:
-    """The `--config FILE` arguments of argv, each as it is given (one or two items)."""
+def _config_args(argv: list[str]) -> list[tuple[list[str], str]]:
+    """The `--config FILE` arguments of argv, each as it is given (one or two items), with its FILE."""
     out, i = [], 0
     while i < len(argv):
         if argv[i] == "--config" and i + 1 < len(argv):
-            out.append(argv[i:i + 2])
+            out.append((argv[i:i + 2], argv[i + 1]))
             i += 2
             continue
         if argv[i].startswith("--config="):
-            out.append([argv[i]])
+            out.append(([argv[i]], argv[i].partition("=")[2]))
         i += 1
     return out
 
@@ -660,11 +660,10 @@ def _parse_error(p: ArgumentParser, argv: list[str], err: BaseException, prog: s
     value or key is wrong (its files are parsed alone, one more at a time, to find it), else the
     command line and, where the parser names it, the flag."""
     keys = f"`{prog if prog.split()[-1] in (*STAGES, 'run') else 'draftsmith run'} --help` lists the keys"  # doctor's, probe's --help do not
-    for n, args in enumerate(configs := _config_args(argv)):
+    for n, (_, path) in enumerate(configs := _config_args(argv)):
         try:
-            p.parse_args([a for c in configs[:n + 1] for a in c])
+            p.parse_args([a for args, _ in configs[:n + 1] for a in args])
         except (argparse.ArgumentError, SystemExit) as e:
-            path = args[1] if len(args) == 2 else args[0].partition("=")[2]
             return DraftsmithError(f"{path}: {' '.join(str(e).split())}; fix the key or value in the recipe ({keys})")
     msg = " ".join(str(err).split())
     key = re.search(r'(?:Parser key|Key) "([^"]+)"', msg)
@@ -682,8 +681,8 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
         if not path.exists():
             raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
         argv = ["--config", str(path), *argv[1:]]
-    for args in _config_args(argv):  # the positional recipe and any further --config FILE
-        path = Path(args[1] if len(args) == 2 else args[0].partition("=")[2])
+    for _, name in _config_args(argv):  # the positional recipe and any further --config FILE
+        path = Path(name)
         if not path.exists():
             raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
         check_yaml_file(path)

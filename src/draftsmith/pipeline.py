@@ -28,9 +28,10 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import (PREVIOUS_DIR_TAG, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes, atomic_write_text, fingerprint,
-                        fingerprint_path, is_main_rank, load_manifest, log, output_fingerprint, process_cmdline, process_rank,
-                        process_start_time, rerun_command, stage_dir, to_jsonable)
+from .artifacts import (PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
+                        atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
+                        output_fingerprint, process_cmdline, process_rank, process_start_time, rerun_command, stage_dir,
+                        to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -116,7 +117,7 @@ def stage_status(run_dir: Path, stage: str) -> str:
 
 
 def write_recipe(recipe: Recipe, run_dir: Path) -> None:
-    atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(to_jsonable(recipe), sort_keys=False))
+    atomic_write_text(run_dir / RECIPE_FILE, yaml.safe_dump(to_jsonable(recipe), sort_keys=False))
 
 
 def previous_dir(out_dir: Path) -> Path:
@@ -165,7 +166,7 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
             d = stage_dir(run_dir, name)
             if previous_dir(d).exists() and not d.exists():
                 previous_dir(d).rename(d)
-    recipe_path = run_dir / "recipe.yaml"  # written once the checks below pass: a refused command leaves it as it was
+    recipe_path = run_dir / RECIPE_FILE  # written once the checks below pass: a refused command leaves it as it was
     for u in upstream_of(stage, recipe):
         if stage_status(run_dir, u) != "complete":
             if not recipe_path.exists() and is_main_rank():  # nothing to leave as it was: the hint's recipe, this run's

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 
 import yaml
 
-from .artifacts import DraftsmithError, atomic_write_json, load_manifest, read_json, stage_dir
+from .artifacts import RECIPE_FILE, DraftsmithError, atomic_write_json, load_manifest, read_json, stage_dir
 from .config import cli_parser
 from .costmodel import HARDWARE, MeasuredCost, RooflineCost, StepCost, drafter_params, expected_tokens, target_spec
 
@@ -219,8 +219,8 @@ def plan(cfg: PlanConfig) -> dict:
     recipe = {}
     if cfg.run_dir:
         run = Path(cfg.run_dir)
-        if (run / "recipe.yaml").exists():
-            recipe = yaml.safe_load((run / "recipe.yaml").read_text()) or {}
+        if (run / RECIPE_FILE).exists():
+            recipe = yaml.safe_load((run / RECIPE_FILE).read_text()) or {}
         accept, step_costs, src, tree = _eval_metrics(run)
         if accept:
             sources["accept"] = f"{src}: metrics.accept_rate_per_position"

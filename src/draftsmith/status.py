@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from .artifacts import DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
+from .artifacts import RECIPE_FILE, DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
 from .compat import TESTED, mtp_layers
 from .config import STAGES
 from .costmodel import target_spec, text_config_dict
@@ -138,7 +138,7 @@ def stage_state(run_dir: Path, stage: str, events: list[dict]) -> dict:
 
 
 def _read_recipe(run_dir: Path) -> dict:
-    p = run_dir / "recipe.yaml"
+    p = run_dir / RECIPE_FILE
     if not p.exists():
         return {}
     try:
@@ -235,7 +235,7 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
 
 def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None,
               ev: Optional[dict] = None) -> dict:
-    recipe_path = run_dir / "recipe.yaml"
+    recipe_path = run_dir / RECIPE_FILE
     for s in stages:
         name, state = s["stage"], s["state"]
         if state == "done":
@@ -280,7 +280,7 @@ def serve_command(run_dir: Path, recipe: dict, ev: Optional[dict]) -> tuple[str,
     return cmd, why
 
 
-RELEVANT_FILES = ["recipe.yaml", LEDGER, "data/manifest.json", "capture/manifest.json", "vocab/vocab.safetensors",
+RELEVANT_FILES = [RECIPE_FILE, LEDGER, "data/manifest.json", "capture/manifest.json", "vocab/vocab.safetensors",
                   "train/drafter", "train/learning_curve.png", "train/tensorboard", "eval/results.json", "eval/report.md", "eval/acceptance.png",
                   "export/sglang", "export/vllm", "plan.json", "probe/report.md"]
 
@@ -505,7 +505,7 @@ def collect(run_dir: str | Path) -> dict:
     optional = {"regenerate"} | ({"capture"} if (recipe.get("train") or {}).get("online") else set())
     stages = [stage_state(run_dir, s, events) for s in STAGES if s not in optional or stage_dir(run_dir, s).exists()]
     for s in stages:
-        s["fix_hint"] = fix_hint(s["error"], run_dir / "recipe.yaml") if s["state"] == "failed" else None
+        s["fix_hint"] = fix_hint(s["error"], run_dir / RECIPE_FILE) if s["state"] == "failed" else None
     manifests = _manifests(run_dir)
     found = findings(recipe, manifests)
     return {

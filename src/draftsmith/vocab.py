@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
+from .artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
                         fix_command, require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
 from .config import Recipe, check_recipe
 from .target.model import read_text_config
@@ -75,7 +75,7 @@ def target_vocab_size(recipe: Recipe) -> int:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(run_dir)
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("vocab",))
+    check_recipe(recipe, str(run_dir / RECIPE_FILE), only=("vocab",))
     t0 = time.time()
     data_dir, upstream = token_stage(recipe, run_dir)
     data_manifest = require_complete(data_dir, upstream)

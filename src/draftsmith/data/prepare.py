@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, atomic_save_safetensors, finish_manifest, load_manifest, log,
+from ..artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, load_manifest, log,
                          new_manifest, remove_temp_files, sha256_file, stage_dir, verify_shards, write_manifest)
 from ..config import PrepareConfig, Recipe, check_recipe
 from ..target.model import load_tokenizer
@@ -57,7 +57,7 @@ def summary(counts: dict, truncated_source: dict | None) -> str:
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.prepare
-    check_recipe(recipe, str(Path(run_dir) / "recipe.yaml"), only=("prepare",))
+    check_recipe(recipe, str(Path(run_dir) / RECIPE_FILE), only=("prepare",))
     out = stage_dir(run_dir, "prepare")  # RUN_DIR/data
     path, fmt = resolve_source(cfg.source, cfg.format)
     source = {"name": cfg.source, "path": str(path), "format": fmt, "sha256": sha256_file(path)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
+from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
                          stage_dir, write_manifest)
 from ..config import Recipe, check_recipe
@@ -109,8 +109,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     out_dir = stage_dir(run_dir, "evaluate")
     drafter_dir = stage_dir(run_dir, "train") / "drafter"
     train = require_complete(stage_dir(run_dir, "train"), "train")
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("evaluate",))
-    methods = check_methods(cfg, str(run_dir / "recipe.yaml"))
+    check_recipe(recipe, str(run_dir / RECIPE_FILE), only=("evaluate",))
+    methods = check_methods(cfg, str(run_dir / RECIPE_FILE))
 
     old = load_manifest(out_dir)
     resuming = old is not None and old.get("status") == "running" and old.get("fingerprint") == fp

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..artifacts import finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
+from ..artifacts import RECIPE_FILE, finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
 from ..config import Recipe, check_recipe
 from .sglang import export_sglang
 from .vllm import export_vllm
@@ -18,7 +18,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.export
     run_dir = Path(run_dir)
     out_dir = run_dir / "export"
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=("export",))  # checked at parse time too; again for a Recipe built in code
+    check_recipe(recipe, str(run_dir / RECIPE_FILE), only=("export",))  # checked at parse time too; again for a Recipe built in code
     train = require_complete(run_dir / "train", "train")
     drafter_dir = run_dir / "train" / "drafter"
     manifest = new_manifest("export", fp, cfg, {"train": train["fingerprint"],

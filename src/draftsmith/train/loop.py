@@ -60,8 +60,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, finish_manifest, fingerprint,
-                         load_manifest, log, new_manifest, read_json, read_jsonl, remove_temp_files, replace_dir, require_complete, rerun_command, sha256_file,
+from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json,
+                         atomic_write_text, finish_manifest, fingerprint, load_manifest, log, new_manifest, read_json,
+                         read_jsonl, remove_temp_files, replace_dir, require_complete, rerun_command, sha256_file,
                          stage_dir, temp_dir, to_jsonable, token_stage, verify_shards, write_manifest)
 from ..config import Recipe, check_recipe
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
@@ -440,7 +441,7 @@ test) is refused at parse time only."""
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
     tc = recipe.train
-    check_recipe(recipe, str(run_dir / "recipe.yaml"), only=TRAIN_NEEDS)
+    check_recipe(recipe, str(run_dir / RECIPE_FILE), only=TRAIN_NEEDS)
     k = int(tc.ttt_steps)
     info = init_distributed(tc.device)
     main = info.is_main
