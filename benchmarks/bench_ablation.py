@@ -98,14 +98,16 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     index = CaptureIndex(verify_shards(capture_dir, m, check_hash=False), max_length, int(m["hidden_size"]),
                          len(m["aux_layer_ids"]))
     _, lm_head, _ = read_target_embeddings(target_path)
-    head = lm_head[draft_ids(drafter.d2t)].float()
-    drafter = drafter.float().eval()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    head = lm_head[draft_ids(drafter.d2t)].float().to(dev)
+    drafter = drafter.float().eval().to(dev)
     correct, weight = torch.zeros(depth, dtype=torch.float64), torch.zeros(depth, dtype=torch.float64)
     for ids in epoch_plan(index.lengths, batch_tokens, seed=0, epoch=0):
         b = index.batch(ids)
-        out = ttt_loss(drafter, b.input_ids, b.loss_mask, b.aux_hidden.float(), b.final_hidden.float(), head, depth, 1.0)
-        correct += out.correct.double()
-        weight += out.weight.double()
+        out = ttt_loss(drafter, b.input_ids.to(dev), b.loss_mask.to(dev), b.aux_hidden.to(dev).float(),
+                       b.final_hidden.to(dev).float(), head, depth, 1.0)
+        correct += out.correct.double().cpu()
+        weight += out.weight.double().cpu()
     acc = (correct / weight.clamp_min(1)).tolist()
     return {"acc": acc, "weight": weight.tolist(), "samples": len(index)}
 
@@ -142,7 +144,8 @@ def eval_flags(args, ngram: bool = False) -> list[str]:
     """MT-Bench (both turns) with our engine, greedy; n-gram prompt lookup once (it does not
     depend on the drafter)."""
     methods = "[eagle3_chain,eagle3_tree,ngram]" if ngram else "[eagle3_chain,eagle3_tree]"
-    return ["--evaluate.benchmarks", "[mtbench]", "--evaluate.max_prompts", str(args.eval_prompts),
+    return ["--evaluate.benchmarks", f"[{args.benchmark}]", "--evaluate.batch_sizes", "[1]",
+            "--evaluate.max_prompts", str(args.eval_prompts),
             "--evaluate.max_new_tokens", str(args.max_new_tokens), "--evaluate.draft_steps", str(args.draft_steps),
             "--evaluate.tree_depth", str(args.draft_steps), "--evaluate.methods", methods, "--evaluate.step_costs", "false"]
 
@@ -157,7 +160,7 @@ def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[st
         c = old.get("config", {})
         same = (old.get("status") == "complete" and c.get("max_prompts") == args.eval_prompts
                 and c.get("max_new_tokens") == args.max_new_tokens and c.get("draft_steps") == args.draft_steps
-                and c.get("tree_depth") == args.draft_steps and c.get("benchmarks") == ["mtbench"]
+                and c.get("tree_depth") == args.draft_steps and c.get("benchmarks") == [args.benchmark]
                 and {"eagle3_chain", "eagle3_tree"} <= set(c.get("methods", []))
                 and old.get("inputs", {}).get("train") == read_json(stage_dir(run_dir, "train") / "manifest.json")["fingerprint"])
         ev = old if same and (not ngram or "ngram" in c.get("methods", [])) else None
@@ -264,6 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--sim-depth", type=int, default=5, help="positions in the simulated tau (evaluate.draft_steps)")
     p.add_argument("--eval-prompts", type=int, default=20, help="MT-Bench questions (x 2 turns)")
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--benchmark", default="mtbench", help="evaluate.benchmarks entry: mtbench or a question file")
     p.add_argument("--draft-steps", type=int, default=5, help="chain length and tree depth of the engine")
     p.add_argument("--no-engine", action="store_true", help="skip the measured tau (held-out acceptance only)")
     p.add_argument("--print-commands", action="store_true", help="print the draftsmith commands of each run and exit")

@@ -221,6 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--sim-depth", type=int, default=5)
     p.add_argument("--eval-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--benchmark", default="mtbench", help="evaluate.benchmarks entry: mtbench or a question file")
     p.add_argument("--draft-steps", type=int, default=5)
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic target, one seed, no engine (CPU test)")

@@ -10,7 +10,10 @@ plus each row's ancestors among the new rows; a chain here), in these variants:
 
     hf          repeat_kv + SDPA with an additive mask, torch's choice of kernel (what runs today)
     gqa         SDPA with enable_gqa=True and a boolean mask (no K/V copies), torch's choice
-    hf_<kernel> repeat_kv + additive mask, one kernel forced: cudnn, efficient, math (where it runs)
+    fold        the query heads that share a KV head folded into that head's rows (N rows become
+                n_rep * N rows of 8 heads), SDPA with a boolean mask: no K/V copies, one KV read a head
+    fold_mm     the same folding, two batched matmuls and a float32 softmax (no attention kernel)
+    <v>_<kernel> hf, gqa or fold with one kernel forced: cudnn, efficient, math (where it runs)
 
 Each is timed as CUDA-graph replays of 20 calls (the decode path replays graphs), and checked against
 the math kernel's output. A variant a kernel refuses is reported as refused, not timed.
@@ -58,8 +61,23 @@ def variants(q, k, v, mask):
     add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     out = {"hf": (None, lambda: F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=add)),
            "gqa": (None, lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))}
+    b, h, n, d = q.shape
+    kvh = k.shape[1]
+    fold_mask = mask.expand(b, 1, n, mask.shape[-1]).repeat(1, 1, n_rep, 1)  # rows (group member, query row)
+
+    def fold(call):  # the query heads that share a KV head become rows of that head: no K/V copies
+        return lambda: call(q.reshape(b, kvh, n_rep * n, d)).reshape(b, h, n, d)
+
+    def mm(qf):  # two batched matmuls and a softmax in float32: the decode-kernel shape for few rows
+        s = (qf @ k.transpose(-1, -2)).float() * d ** -0.5
+        return (s.masked_fill(~fold_mask, float("-inf")).softmax(-1).to(v.dtype) @ v)
+
+    out["fold"] = (None, fold(lambda qf: F.scaled_dot_product_attention(qf, k, v, attn_mask=fold_mask)))
+    out["fold_mm"] = (None, fold(mm))
     for kern in KERNELS:
         out[f"hf_{kern}"] = (kern, out["hf"][1])
+        out[f"gqa_{kern}"] = (kern, out["gqa"][1])
+        out[f"fold_{kern}"] = (kern, out["fold"][1])
     return out
 
 
