@@ -90,18 +90,24 @@ for s in $STEPS; do case $s in
              cp /tmp/runs/h200/regen/manifest.json "$OUT/regen_manifest.json" 2>/dev/null
              cp /tmp/runs/h200/data/manifest.json "$OUT/data_manifest.json" 2>/dev/null ;;
   peerdata)  # issue 19's peer at equal data: PEER_SAMPLES conversations (answers regenerated) captured for both trainers,
-             # and a held-out capture of 200 others (records 5,400+ of the file; the base takes the first ones)
-             P="--run_dir /tmp/runs/peer/base --prepare.max_samples ${PEER_SAMPLES:-2400} --train.online false --regenerate.batch_size 1024"
-             H="--run_dir /tmp/runs/peer/heldout --prepare.skip_samples 5400 --prepare.max_samples 200 --train.online false"
+             # and a held-out capture of 200 others (records 5,400+ of the file; the base takes the first ones).
+             # PEER_RECIPE / PEER_ARGS: another recipe or extra flags (the CPU dry run of BENCHMARKS.md uses the tiny target)
+             P="--run_dir /tmp/runs/peer/base --prepare.max_samples ${PEER_SAMPLES:-2400} --train.online false --regenerate.batch_size 1024 ${PEER_ARGS:-}"
+             H="--run_dir /tmp/runs/peer/heldout --prepare.skip_samples 5400 --prepare.max_samples 200 --train.online false --regenerate.batch_size 1024 ${PEER_ARGS:-}"
              step peerdata "${PEERDATA_LIMIT:-330}" bash -c "for s in prepare regenerate capture vocab; do \
-               python3 -m draftsmith.cli \$s benchmarks/recipes/h200.yaml $P || exit 1; done; for s in prepare regenerate capture; do \
-               python3 -m draftsmith.cli \$s benchmarks/recipes/h200.yaml $H || exit 1; done" ;;
-  peer)      # bench_peer.py on the peerdata captures: speculators 0.9.0 (wheels in .whl/peer, unpacked here) and our trainer
-             [ -d /tmp/peer-site ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" /tmp/peer-site; done
-             step peer "${PEER_LIMIT:-450}" env PYTHONPATH="/tmp/peer-site:$PYTHONPATH" python3 benchmarks/bench_peer.py \
-               --recipe benchmarks/recipes/h200.yaml --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
-               --work /tmp/runs/peer/work --seeds 0 --depth 6 --sim-depth 5 --eval-prompts 16 --max-new-tokens 128 \
-               --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false" --out "$OUT/bench_peer.json" ;;
+               python3 -m draftsmith.cli \$s ${PEER_RECIPE:-benchmarks/recipes/h200.yaml} $P || exit 1; done; \
+               for s in prepare regenerate capture; do \
+               python3 -m draftsmith.cli \$s ${PEER_RECIPE:-benchmarks/recipes/h200.yaml} $H || exit 1; done" ;;
+  peer)      # bench_peer.py on the peerdata captures: speculators 0.9.0 and our trainer. The GPU image lacks speculators'
+             # imports: its wheels travel in .whl/peer (cp312, listed in BENCHMARKS.md) and are unpacked into PEER_SITE
+             # (PEER_SITE= empty: the installed packages, as on this repository's CPU machine)
+             SITE=${PEER_SITE-/tmp/peer-site}
+             [ -z "$SITE" ] || [ -d "$SITE" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
+             step peer "${PEER_LIMIT:-450}" env PYTHONPATH="${SITE:+$SITE:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
+               --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
+               --work /tmp/runs/peer/work --seeds 0 --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
+               --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-}" \
+               --out "$OUT/bench_peer.json" ;;
   trainsmoke) R="--run_dir /tmp/runs/h200-smoke --prepare.max_samples 1500 --regenerate.enabled false --train.max_steps ${SMOKE_STEPS:-40} \
                --train.eval_every 20 --train.heldout_samples 64"  # the recipe's training on original answers: compile, speed, held-out
              step trainsmoke "${SMOKE_LIMIT:-200}" bash -c "for s in prepare vocab train; do \
