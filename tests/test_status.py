@@ -255,3 +255,19 @@ def test_engine_far_below_its_simulated_tau_is_a_finding(tmp_path):
     (found,) = status.collect(run)["findings"]
     assert found["kind"] == "engine_below_simulated"
     assert "(1.5) is far below" in found["text"] and "at depth 5 (3.69)" in found["text"]
+
+
+def test_commands_paste_as_is_with_a_space_in_the_run_dir(tmp_path):
+    """A run folder with a space: every command status names is one shell word per argument."""
+    import shlex
+
+    (tmp_path / "my runs").mkdir()
+    (tmp_path / "done runs").mkdir()
+    run, ledger = make_run(tmp_path / "my runs")
+    start(run, ledger, "train", os.getpid())
+    ledger.append("stage_failed", stage="train", error="boom", seconds=1.0)
+    cmd = status.collect(run)["next_step"]["command"]
+    assert shlex.split(cmd) == ["draftsmith", "train", str(run / "recipe.yaml")]
+    done, _ = make_run(tmp_path / "done runs", done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    serve = shlex.split(status.collect(done)["next_step"]["command"])
+    assert serve[serve.index("--speculative-draft-model-path") + 1] == str(done / "export" / "sglang")

@@ -236,24 +236,25 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
 def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None,
               ev: Optional[dict] = None) -> dict:
     recipe_path = run_dir / RECIPE_FILE
+    recipe_arg = shlex.quote(str(recipe_path))  # every command below can be pasted as is
     for s in stages:
         name, state = s["stage"], s["state"]
         if state == "done":
             continue
-        cmd = f"draftsmith {name} {recipe_path}"
+        cmd = f"draftsmith {name} {recipe_arg}"
         text = {
             "failed": f"{name} failed: {s['error']}. " + (f"Hint: {fix_hint(s['error'], recipe_path)}. " if fix_hint(s["error"]) else "")
                       + f"Fix that, then rerun `{cmd}`.",
             "interrupted": f"{name} was interrupted; `{cmd}` resumes it after what it finished.",
-            "running": f"{name} is running; `draftsmith status {run_dir}` to follow it.",
-            "pending": f"run `{cmd}` (or `draftsmith run {recipe_path}` for every remaining stage).",
+            "running": f"{name} is running; `draftsmith status {shlex.quote(str(run_dir))}` to follow it.",
+            "pending": f"run `{cmd}` (or `draftsmith run {recipe_arg}` for every remaining stage).",
         }[state]
         return {"stage": name, "state": state, "text": text, "command": None if state == "running" else cmd}
     if found:  # every stage is done, but the figures say the drafter is not worth serving yet
         first = found[0]
-        return {"stage": None, "state": "done", "command": f"draftsmith run {recipe_path}",
+        return {"stage": None, "state": "done", "command": f"draftsmith run {recipe_arg}",
                 "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}; then rerun "
-                        f"`draftsmith run {recipe_path}`."}
+                        f"`draftsmith run {recipe_arg}`."}
     cmd, why = serve_command(run_dir, recipe, ev)
     return {"stage": None, "state": "done", "text": f"every stage is complete; serve the drafter{why} with `{cmd}`",
             "command": cmd}
@@ -274,8 +275,8 @@ def serve_command(run_dir: Path, recipe: dict, ev: Optional[dict]) -> tuple[str,
         steps = cfg.get("draft_steps", 5)
         topk, tokens = 1, steps + 1
     why = f" as the {best.split('_')[1]} evaluate measured fastest ({speed[best]:.2f}x)" if speed else ""
-    cmd = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-           f"--speculative-draft-model-path {stage_dir(run_dir, 'export') / 'sglang'} "
+    cmd = (f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} --speculative-algorithm EAGLE3 "
+           f"--speculative-draft-model-path {shlex.quote(str(stage_dir(run_dir, 'export') / 'sglang'))} "
            f"--speculative-num-steps {steps} --speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}")
     return cmd, why
 
