@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
 from draftsmith.evaluate.measure import timed  # noqa: E402
 from draftsmith.speculate.verify import plain_generate  # noqa: E402
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if a.moe_target:
         res["moe_experts"] = moe_experts(a.moe_target, device, dtype, 8, 1024)
+    res["capture_fallbacks"] = list(CAPTURE_FALLBACKS)  # captures that went eager: those paths' timings are eager
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(a.out), res)
     print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}, indent=1))

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.config import EvaluateConfig, Recipe, TargetConfig  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline, measure_step_costs  # noqa: E402
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
         "config": {**vars(a), "device_name": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
                    "dtype_resolved": str(target.dtype), "torch": torch.__version__},
         "wall_s": time.perf_counter() - t0,
+        "capture_fallbacks": list(CAPTURE_FALLBACKS),  # captures that went eager: those calls' timings are eager
     }
     path = Path(a.out) if a.out else run_dir / "bench_speculative.json"
     path.parent.mkdir(parents=True, exist_ok=True)
