@@ -92,7 +92,7 @@ for s in $STEPS; do case $s in
   peerdata)  # issue 19's peer at equal data: PEER_SAMPLES conversations (answers regenerated) captured for both trainers,
              # and a held-out capture of 200 others (records 5,400+ of the file; the base takes the first ones).
              # PEER_RECIPE / PEER_ARGS: another recipe or extra flags (the CPU dry run of BENCHMARKS.md uses the tiny target)
-             P="--run_dir /tmp/runs/peer/base --prepare.max_samples ${PEER_SAMPLES:-2400} --train.online false --regenerate.batch_size 1024 ${PEER_ARGS:-}"
+             P="--run_dir /tmp/runs/peer/base --prepare.max_samples ${PEER_SAMPLES:-1600} --train.online false --regenerate.batch_size 1024 ${PEER_ARGS:-}"
              H="--run_dir /tmp/runs/peer/heldout --prepare.skip_samples 5400 --prepare.max_samples 200 --train.online false --regenerate.batch_size 1024 ${PEER_ARGS:-}"
              step peerdata "${PEERDATA_LIMIT:-330}" bash -c "for s in prepare regenerate capture vocab; do \
                python3 -m draftsmith.cli \$s ${PEER_RECIPE:-benchmarks/recipes/h200.yaml} $P || exit 1; done; \
