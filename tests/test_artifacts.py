@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 from draftsmith import pipeline
 from draftsmith.cli import main
-from draftsmith.artifacts import (LEDGER, MANIFEST, DraftsmithError, Ledger, atomic_save_safetensors, atomic_write_json,
-                                  finish_manifest, is_main_rank, load_manifest, new_manifest, replace_dir, sha256_file,
+from draftsmith.artifacts import (LEDGER, MANIFEST, DraftsmithError, Ledger, append_jsonl, atomic_save_safetensors,
+                                  atomic_write_json, finish_manifest, is_main_rank, load_manifest, new_manifest, replace_dir, sha256_file,
                                   stage_dir, temp_dir, write_manifest)
 from draftsmith.config import Recipe, TargetConfig
 
@@ -128,6 +128,12 @@ def fake_stage(monkeypatch):
     return mod
 
 
+def rank0_event(run_dir, event: str, stage: str = "prepare", at: float | None = None, **fields) -> None:
+    """A ledger line as rank 0 (another process) appends it."""
+    append_jsonl(Path(run_dir) / LEDGER, {"time": round(time.time() if at is None else at, 3), "event": event,
+                                          "stage": stage, **fields})
+
+
 def test_pipeline_rank0_writes_ledger_and_manifest(tmp_path, fake_stage):
     recipe = _tiny_recipe(tmp_path)
     m = pipeline.run_stage("prepare", recipe)
@@ -139,14 +145,15 @@ def test_pipeline_rank1_runs_but_appends_nothing(tmp_path, fake_stage, rank1):
     recipe = _tiny_recipe(tmp_path)
     run_dir = Path(recipe.run_dir)
 
-    def rank0_finishes(out, fp):  # rank 0, in another process, writes the complete manifest
+    def rank0_finishes(out, fp):  # rank 0, in another process, writes the complete manifest, then its ledger line
         atomic_write_json(out / MANIFEST, {**new_manifest("prepare", fp, {}, {}), "status": "complete", "by": "rank0"})
+        rank0_event(run_dir, "stage_finished")
 
     fake_stage.rank0 = rank0_finishes
     m = pipeline.run_stage("prepare", recipe)
     assert fake_stage.calls == [("wrote", False), ("finished", False)]  # rank 1 wrote no manifest
     assert m["by"] == "rank0" and m["status"] == "complete"  # it waited for and returns rank 0's
-    assert not (run_dir / LEDGER).exists()
+    assert [e["event"] for e in Ledger(run_dir).read()] == ["stage_finished"]  # rank 0's line only
 
 
 def test_pipeline_rank1_skips_complete_stage_by_reading(tmp_path, fake_stage, rank1):
@@ -226,7 +233,7 @@ def test_pipeline_rank1_resumes_running_stage(tmp_path, fake_stage, rank1, monke
     atomic_write_json(out / MANIFEST, new_manifest("prepare", "fp-prepare", {}, {}))
     (out / "shard-00000.safetensors").write_bytes(b"kept")
     monkeypatch.setenv("DRAFTSMITH_RANK0_WAIT_S", "0.2")
-    with pytest.raises(DraftsmithError, match="rank 1 waits for rank 0's complete manifest of stage prepare, but rank 0 wrote nothing"):
+    with pytest.raises(DraftsmithError, match="rank 1 waits for rank 0 to finish stage prepare, but rank 0 wrote nothing"):
         pipeline.run_stage("prepare", recipe)
     assert fake_stage.calls == [("wrote", True), ("finished", True)]  # rank 0's running manifest, untouched
     assert load_manifest(out)["status"] == "running" and (out / "shard-00000.safetensors").read_bytes() == b"kept"
@@ -241,7 +248,7 @@ def test_pipeline_rank1_leaves_a_rank0_stage_to_rank0(tmp_path, fake_stage, rank
     recipe = _tiny_recipe(tmp_path)
     run_dir, out = Path(recipe.run_dir), stage_dir(recipe.run_dir, "prepare")
     monkeypatch.setenv("DRAFTSMITH_RANK0_WAIT_S", "1.5")
-    with pytest.raises(DraftsmithError, match="rank 0 wrote nothing in .* for 1.5 s"):
+    with pytest.raises(DraftsmithError, match="rank 0 wrote nothing in .* or the ledger for 1.5 s"):
         pipeline.run_stage("prepare", recipe)
     assert fake_stage.calls == [] and list(run_dir.iterdir()) == []  # no recipe.yaml, ledger or manifest from rank 1
 
@@ -251,6 +258,7 @@ def test_pipeline_rank1_leaves_a_rank0_stage_to_rank0(tmp_path, fake_stage, rank
             atomic_write_json(out / MANIFEST, {**m, "counts": {"done": i}})
             time.sleep(0.4)
         atomic_write_json(out / MANIFEST, {**m, "status": "complete", "by": "rank0"})
+        rank0_event(run_dir, "stage_finished")
 
     worker = threading.Thread(target=rank0)
     worker.start()
@@ -259,7 +267,38 @@ def test_pipeline_rank1_leaves_a_rank0_stage_to_rank0(tmp_path, fake_stage, rank
     finally:
         worker.join()
     assert m["by"] == "rank0" and fake_stage.calls == []
-    assert not (run_dir / LEDGER).exists() and not (run_dir / "recipe.yaml").exists()
+    assert len(Ledger(run_dir).read()) == 1 and not (run_dir / "recipe.yaml").exists()  # rank 0's line only
+
+
+def test_pipeline_rank1_waits_for_this_launch_of_a_forced_stage(tmp_path, fake_stage, rank1, monkeypatch):
+    """`--force` under torchrun: rank 1 must not take the complete manifest of an earlier launch (same
+    fingerprint) for rank 0's new run; it waits until rank 0's ledger says the stage finished in this
+    launch. Rank 0 failing a stage stops rank 1 at once with rank 0's error, not after the wait limit."""
+    monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], distributed=False))
+    recipe = _tiny_recipe(tmp_path)
+    run_dir, out = Path(recipe.run_dir), stage_dir(recipe.run_dir, "prepare")
+    atomic_write_json(out / MANIFEST, {**new_manifest("prepare", "fp-prepare", {}, {}), "status": "complete", "by": "old"})
+    rank0_event(run_dir, "stage_finished", at=pipeline.LAUNCHED_AT - 60)  # the earlier launch's line
+
+    def rank0():  # rank 0 reruns the stage: the old output set aside, the new one written, then its ledger line
+        time.sleep(0.6)
+        atomic_write_json(out / MANIFEST, {**new_manifest("prepare", "fp-prepare", {}, {}), "status": "complete", "by": "new"})
+        rank0_event(run_dir, "stage_finished")
+
+    worker = threading.Thread(target=rank0)
+    worker.start()
+    try:
+        m = pipeline.run_stage("prepare", recipe, force=True)
+    finally:
+        worker.join()
+    assert m["by"] == "new" and fake_stage.calls == []
+
+    rank0_event(run_dir, "stage_failed", error="source.json record 3: not a conversation; fix the record")
+    monkeypatch.setenv("DRAFTSMITH_RANK0_WAIT_S", "30")
+    t0 = time.monotonic()
+    with pytest.raises(DraftsmithError, match=r"rank 0's stage prepare failed \(source.json record 3: .*\); rank 1 stops too"):
+        pipeline.run_stage("prepare", recipe, force=True)
+    assert time.monotonic() - t0 < 5
 
 
 def test_temp_names_are_made_in_one_place():

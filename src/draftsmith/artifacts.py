@@ -477,6 +477,19 @@ def process_start_time(pid: int) -> Optional[int]:
         return None
 
 
+def process_started_at() -> float:
+    """When this process started, in seconds since the epoch (/proc/stat's boot time, whole seconds,
+    plus the start in clock ticks: never later than the true start); where /proc is missing, now."""
+    try:
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        ticks = process_start_time(os.getpid())
+        if ticks is not None:
+            return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
+    return time.time()
+
+
 def process_cmdline(pid: int) -> Optional[str]:
     """The command line of process `pid` (arguments joined by spaces), or None."""
     try:

@@ -12,9 +12,10 @@ another fingerprint starts over in a clean folder.
 
 Under torchrun only rank 0 writes the ledger, the manifests and recipe.yaml (artifacts.is_main_rank).
 The distributed stages (the table's `distributed`: capture, train) run on every rank; the other
-ranks read rank 0's manifests to skip or resume, and after the stage wait for rank 0's complete
-manifest before going on. The other stages (prepare, regenerate, vocab, evaluate, export) run on
-rank 0 only: the other ranks skip straight to that wait.
+ranks read rank 0's manifests to skip or resume, and after the stage wait until rank 0's ledger says
+it finished (or skipped) the stage in this launch, then read its complete manifest. The other stages
+(prepare, regenerate, vocab, evaluate, export) run on rank 0 only: the other ranks skip straight to
+that wait. Rank 0 failing a stage stops the other ranks with its error.
 """
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ import os
 import shutil
 import time
 import traceback
+from typing import Optional
 from pathlib import Path
 
 import yaml
 
 from .artifacts import (PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
                         atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
-                        output_fingerprint, process_cmdline, process_rank, process_start_time, rerun_command, stage_dir,
-                        to_jsonable)
+                        output_fingerprint, process_cmdline, process_rank, process_start_time, process_started_at,
+                        rerun_command, stage_dir, to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -193,7 +195,7 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
         return m
     if not is_main_rank() and not STAGE_TABLE[stage].distributed:  # rank 0 alone runs it (every rank writing its files collides)
         log(f"[{stage}] runs on rank 0 only; rank {process_rank()} waits for its complete manifest")
-        return wait_for_rank0(out_dir, stage, fp)
+        return wait_for_rank0(run_dir, stage, fp)
     if verdict == "continue":
         log(f"[{stage}] {why}")
     if m is not None and (force or m["fingerprint"] != fp or verdict == "restart") and is_main_rank():
@@ -232,7 +234,7 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
     ledger.append("stage_finished", stage=stage, fingerprint=fp, seconds=round(time.time() - t0, 3),
                   counts=manifest.get("counts", {}), metrics=manifest.get("metrics", {}))
     if not is_main_rank():
-        return wait_for_rank0(out_dir, stage, fp)
+        return wait_for_rank0(run_dir, stage, fp)
     return manifest
 
 
@@ -256,39 +258,72 @@ def _restore(out_dir: Path, prev: Path, quiet: bool = False) -> None:
 
 
 RANK0_WAIT_S = 3600.0
-"""How long a rank other than 0 waits for rank 0's complete manifest of a stage while rank 0 writes
-nothing in the stage's folder (DRAFTSMITH_RANK0_WAIT_S overrides it). torchrun stops every rank
+"""How long a rank other than 0 waits for rank 0 to finish a stage while rank 0 writes nothing in the
+stage's folder or the ledger (DRAFTSMITH_RANK0_WAIT_S overrides it). torchrun stops every rank
 when one fails, so this only bounds a rank 0 that hangs; a long stage that rank 0 runs alone
 (regenerate, evaluate) keeps the other ranks waiting as long as it writes its shards or progress."""
 
 
-def _last_write(out_dir: Path) -> float:
-    """The latest modification time among out_dir and the files in it (0 when it is missing)."""
-    try:
-        with os.scandir(out_dir) as it:
-            times = [e.stat(follow_symlinks=False).st_mtime for e in it]
-        return max([out_dir.stat().st_mtime, *times])
-    except OSError:  # missing, or an entry replaced while listing: no progress seen this time
-        return 0.0
+LAUNCHED_AT = process_started_at()
+"""When this process started: rank 0's ledger events at or after it belong to this launch (torchrun
+starts every rank before any of them can finish a stage)."""
+
+RANK0_DONE, RANK0_STOPPED = ("stage_finished", "stage_skipped"), ("stage_failed", "stage_refused", "stage_interrupted")
 
 
-def wait_for_rank0(out_dir: Path, stage: str, fp: str, poll_s: float = 0.5) -> dict:
-    """On a rank other than 0: rank 0's manifest of `stage` once it is complete for `fp`.
-    Rank 0 alone writes manifests, so the next stage's upstream check must not run before it.
-    The limit counts from rank 0's last write in out_dir (a stage it runs alone can take hours)."""
+def _last_write(*paths: Path) -> float:
+    """The latest modification time among `paths` and the files in the folders among them (0 when none exists)."""
+    times = []
+    for path in paths:
+        try:
+            times.append(path.stat().st_mtime)
+            if path.is_dir():
+                with os.scandir(path) as it:
+                    times += [e.stat(follow_symlinks=False).st_mtime for e in it]
+        except OSError:  # missing, or an entry replaced while listing: no progress seen there this time
+            pass
+    return max(times, default=0.0)
+
+
+def _rank0_event(ledger: Ledger, stage: str) -> Optional[dict]:
+    """Rank 0's last ledger event of this launch that ends `stage` (finished, skipped, failed, refused, interrupted)."""
+    for e in reversed(ledger.read()):
+        if e.get("stage") == stage and e.get("event") in RANK0_DONE + RANK0_STOPPED and e.get("time", 0) >= LAUNCHED_AT:
+            return e
+    return None
+
+
+def wait_for_rank0(run_dir: Path, stage: str, fp: str, poll_s: float = 0.5) -> dict:
+    """On a rank other than 0: rank 0's manifest of `stage`, once rank 0's ledger says that it finished
+    or skipped the stage in this launch. Rank 0 alone writes manifests, so the next stage's upstream
+    check must not run before it; and a complete manifest of an earlier launch that rank 0 is about to
+    replace (--force, other inputs) is not the answer. Rank 0 failing the stage stops this rank at once
+    with its error. The limit counts from rank 0's last write in the stage's folder or the ledger (a
+    stage it runs alone can take hours)."""
+    out_dir, ledger = stage_dir(run_dir, stage), Ledger(run_dir)
     limit = float(os.environ.get("DRAFTSMITH_RANK0_WAIT_S", RANK0_WAIT_S))
-    seen, deadline = _last_write(out_dir), time.monotonic() + limit
+    seen, deadline = _last_write(out_dir, ledger.path), time.monotonic() + limit
     while True:
-        m = load_manifest(out_dir)  # rank 0 writes it atomically: the old one or the whole new one
-        if m is not None and m.get("status") == "complete" and m.get("fingerprint") == fp:
-            return m
-        now, last = time.monotonic(), _last_write(out_dir)
-        if last != seen:  # rank 0 is at work on the stage
+        e = _rank0_event(ledger, stage)
+        if e is not None and e["event"] in RANK0_STOPPED:
+            why = e.get("error") or "interrupted"
+            raise DraftsmithError(f"{ledger.path}: rank 0's stage {stage} {e['event'].removeprefix('stage_')} ({why}); "
+                                  f"rank {process_rank()} stops too. Fix rank 0's error, then rerun the command")
+        if e is not None:
+            m = load_manifest(out_dir)
+            if m is not None and m.get("status") == "complete" and m.get("fingerprint") == fp:
+                return m
+            got = "no complete manifest" if m is None or m.get("status") != "complete" else f"fingerprint {m.get('fingerprint')}"
+            raise DraftsmithError(f"{out_dir / 'manifest.json'}: rank 0 {e['event'].removeprefix('stage_')} stage {stage} with "
+                                  f"{got}, but rank {process_rank()} computed fingerprint {fp}: the ranks see different "
+                                  "inputs (recipe, files or package versions); give every rank the same, then rerun")
+        now, last = time.monotonic(), _last_write(out_dir, ledger.path)
+        if last != seen:  # rank 0 is at work
             seen, deadline = last, now + limit
         if now >= deadline:
-            raise DraftsmithError(f"{out_dir / 'manifest.json'}: rank {process_rank()} waits for rank 0's complete manifest of stage "
-                                  f"{stage}, but rank 0 wrote nothing in {out_dir} for {limit:g} s; check rank 0's log, then rerun "
-                                  "(set DRAFTSMITH_RANK0_WAIT_S to wait longer)")
+            raise DraftsmithError(f"{out_dir / 'manifest.json'}: rank {process_rank()} waits for rank 0 to finish stage "
+                                  f"{stage}, but rank 0 wrote nothing in {out_dir} or the ledger for {limit:g} s; check "
+                                  "rank 0's log, then rerun (set DRAFTSMITH_RANK0_WAIT_S to wait longer)")
         time.sleep(poll_s)
 
 
