@@ -9,8 +9,8 @@ bench_verify_attention.json, microseconds at N = 1 / 2 / 6 / 17 / 65):
     SDPA, enable_gqa, boolean mask (no K/V copies)                           12.4 / 50.0 / 50.9 / 52.3 / 53.7
     query heads folded into their KV head's rows, two matmuls (fold_mm)      24.8 / 25.2 / 27.2 / 35.0 / 68.4
 
-For one row SDPA takes a decode kernel; for more it takes a 64-row tile whatever N is, so a few
-rows cost four times one. Folding the n_rep query heads that share a KV head into that head's
+SDPA is fast for one row; from 2 rows to 65 its cost barely moves, at four times one row's, so a
+few rows pay for many. Folding the n_rep query heads that share a KV head into that head's
 rows makes few-row attention two batched matmuls that read each KV head once; their float32
 scores grow with rows times columns, so past a few dozen folded rows SDPA wins again (at S = 512
 and 8192 the order is the same). Hence:
@@ -48,9 +48,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
 
     q [B, H, N, D]; k [B, KVH, S, D]; v [B, KVH, S, Dv] (H a multiple of KVH; query head h reads KV
     head h // (H / KVH), as repeat_kv lays them out); mask [B or 1, 1, N, S]: bool (True = attend) or
-    an additive float mask (HF's), or None (every column); a mask per head [.., H, N, S] takes SDPA. scale defaults to D ** -0.5. Every row
-    should see at least one column: fold_mm fills hidden columns with float32's lowest value, not
-    -inf, so a row that sees none averages every column instead of giving NaN. Returns [B, H, N, Dv]."""
+    an additive float mask (HF's), or None (every column); a mask per head [.., H, N, S] takes SDPA.
+    scale defaults to D ** -0.5. Every row should see at least one column: fold_mm fills hidden
+    columns with float32's lowest value, not -inf, so a row that sees none averages every column
+    instead of giving NaN. Returns [B, H, N, Dv]."""
     B, H, N, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
     if H % KVH:
