@@ -14,9 +14,10 @@ def test_smoke_variants_agree(tmp_path):
     out = tmp_path / "b.json"
     assert mod.main(["--smoke", "--rows", "1", "4", "--cols", "40", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["variants"]
-    assert {"hf", "gqa", "hf_math"} <= set(res)
-    for name in ("hf", "gqa", "hf_math"):  # run on every machine; the fused kernels may refuse a CPU
+    assert {"hf", "gqa", "hf_math", "draftsmith"} <= set(res)
+    for name in ("hf", "gqa", "hf_math", "fold_mm", "draftsmith"):  # run on every machine; the fused kernels may refuse a CPU
         for key in ("N1_S40", "N4_S40"):
             r = res[name][key]
             assert r["us"] > 0 and r["max_abs_err"] < 1e-5, (name, key, r)
     assert res["gqa"]["N4_S40"]["over_one_row"] > 0
+    assert json.loads(out.read_text())["draftsmith_kernel"] == {"N1": "sdpa", "N4": "fold_mm"}  # both branches ran

@@ -28,8 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import decode_attention
 from .rope import rope_cos_sin
-from .ttt_attention import repeat_kv, ttt_attention
+from .ttt_attention import ttt_attention
 
 
 @dataclass
@@ -228,9 +229,7 @@ class Eagle3Drafter(nn.Module):
         T, S = q.shape[2], k.shape[2]
         if attn_mask is None:
             attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=past)[None]
-        n_rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        o = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
-                                           attn_mask=attn_mask[:, None])
+        o = decode_attention(q, k, v, attn_mask[:, None], 1.0 / math.sqrt(self.cfg.head_dim))  # the kernel by row count
         return self.output(layer.finish(residual, attn.out(o)))
 
     # -- training: the same layer unrolled for TTT ----------------------------------------

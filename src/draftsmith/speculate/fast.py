@@ -11,6 +11,10 @@ buffers) and each forward is replayed as one CUDA graph.
                       back on the GPU (one graph; the host looks at the tokens every few steps).
 (The drafter's side, StaticDraftCache and FastDraft, lives in cache.py and eagle3.py; Graphed in cache.py.)
 
+The target's attention on this path is draft.attention.decode_attention (the kernel picked by the
+number of rows, no K/V copies, a boolean mask): registered in transformers' AttentionInterface as
+DECODE_ATTENTION and switched on for FastTarget's forwards only (hf_decode_attention, decode_attention_configs).
+
 Modes (`evaluate.fast`): off = eager, transformers' DynamicCache; static = static caches without
 graphs (what a CPU runs; the tests); graphs = static + CUDA graphs; compile = graphs around a
 torch.compile'd target forward. Column bookkeeping is the engine's: sequence b owns the columns
@@ -24,6 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..artifacts import DraftsmithError, log
+from ..draft.attention import decode_attention
 from ..target.model import Target, TargetOutput
 from .cache import Graphed, additive, capture, copy_columns, h2d, stack_layers
 from .tree import device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
@@ -123,6 +128,59 @@ def compile_regions(model: torch.nn.Module) -> int:
     return n
 
 
+# ----------------------------------------------------------------------------- the target's attention
+
+
+DECODE_ATTENTION = "draftsmith_decode"
+"""The name of hf_decode_attention in transformers' AttentionInterface."""
+DECODE_ATTENTION_CALLS = [0]
+"""How many eager calls of hf_decode_attention ran decode_attention (FastTarget.prefill checks that its
+forward did: a model whose attention ignores AttentionInterface would read the boolean mask as numbers)."""
+UNHANDLED = ("position_bias", "s_aux", "sinks", "softcap")
+"""Attention-function arguments that change the math: with any of them set, transformers' sdpa runs."""
+
+
+def hf_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention-function contract (integrations/sdpa_attention.py): q [B, H, N, D],
+    k/v [B, KVH, S, D(v)] and a 4D mask in, ([B, N, H, Dv], None) out, over decode_attention. What it
+    does not handle goes to transformers' own sdpa function unchanged: no or a non-4D mask (is_causal
+    decides there), dropout, attention weights asked for, position biases, sinks, softcapping."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (attention_mask is None or attention_mask.dim() != 4 or dropout or kwargs.get("output_attentions")
+            or any(kwargs.get(k) is not None for k in UNHANDLED) or query.shape[1] % key.shape[1]
+            or attention_mask.shape[-1] != key.shape[-2] or query.shape[-1] != key.shape[-1]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    DECODE_ATTENTION_CALLS[0] += 1
+    return decode_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+
+
+def decode_attention_configs(model: torch.nn.Module) -> list:
+    """The configs (the model's and its sub-models') that FastTarget's forwards switch from `sdpa` to
+    DECODE_ATTENTION (registered here), or [] (nothing switched, the additive mask as before). Which
+    ones transformers itself decides: model.set_attn_implementation, undone at once, leaves a model whose
+    attention does not go through AttentionInterface as it is (its source check; remote code may not);
+    configs not on sdpa (eager, flash attention) stay as loaded."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, hf_decode_attention)
+    loaded = {id(m.config): (m.config, m.config._attn_implementation_internal) for m in model.modules()
+              if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        return []
+    try:
+        setter(DECODE_ATTENTION)
+        return [c for c, impl in loaded.values() if impl == "sdpa" and c._attn_implementation_internal == DECODE_ATTENTION]
+    except (ValueError, KeyError, ImportError) as e:
+        log(f"[fast] {type(model).__name__}: attention stays transformers' ({type(e).__name__}: {str(e)[:120]})")
+        return []
+    finally:
+        for c, impl in loaded.values():
+            c._attn_implementation_internal = impl
+
+
 class FastTarget:
     """The target over a static KV cache, optionally CUDA-graphed. Same interface as
     verify.EagerVerifier (prefill, verify, keep, past: host tensors in, what the host loop calls), plus
@@ -136,6 +194,8 @@ class FastTarget:
         self.stack = stack  # stack the layers' KV after the first prefill (cheap column moves); plain-only users skip it
         self.graphs = mode in ("graphs", "compile") and graph_safe_experts(target.model)
         self.fn = self._forward
+        self.attn_configs = decode_attention_configs(target.model)  # [] = transformers' attention, additive mask
+        self.attn_checked = False
         if mode == "compile":
             compile_regions(target.model)
         self.B = self.S = 0
@@ -169,11 +229,23 @@ class FastTarget:
     # -- the forwards -------------------------------------------------------------------
 
     def _forward(self, ids, pos, past, mask):
-        """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, S]."""
+        """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, S]. The
+        attention is decode_attention with the boolean mask (attn_configs switched for this forward
+        only: other users of the model keep theirs), else transformers' with an additive mask."""
         for layer in self.cache.layers:
             layer.cumulative_length.copy_(past)
-        out = self.target.forward(ids, attention_mask=additive(mask, self.target.dtype), past_key_values=self.cache,
-                                  position_ids=pos, use_cache=True)
+        kw = dict(past_key_values=self.cache, position_ids=pos, use_cache=True)
+        if not self.attn_configs:
+            out = self.target.forward(ids, attention_mask=additive(mask, self.target.dtype), **kw)
+            return out.logits, out.aux_hidden, out.final_hidden
+        saved = [c._attn_implementation_internal for c in self.attn_configs]
+        for c in self.attn_configs:
+            c._attn_implementation_internal = DECODE_ATTENTION
+        try:
+            out = self.target.forward(ids, attention_mask=mask[:, None], **kw)
+        finally:
+            for c, s in zip(self.attn_configs, saved):
+                c._attn_implementation_internal = s
         return out.logits, out.aux_hidden, out.final_hidden
 
     def verify_rows(self, ids, pos, past, start, end, anc):
@@ -198,7 +270,15 @@ class FastTarget:
         self.ensure(B, P + max_new_tokens + max_rows)
         mask = torch.zeros(B, P, self.S, dtype=torch.bool, device=ids.device)
         mask[:, :, :P] = prefill_mask(pad, P)
+        calls = DECODE_ATTENTION_CALLS[0]
         logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
+        if self.attn_configs and not self.attn_checked:
+            if DECODE_ATTENTION_CALLS[0] == calls:  # the model's attention ignored the switch: it read a bool mask
+                log(f"[fast] {type(self.target.model).__name__}: the attention does not go through transformers' "
+                    "AttentionInterface; the fast path keeps the model's own attention (additive mask)")
+                self.attn_configs = []
+                logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
+            self.attn_checked = True
         if self.stacked is None:  # the layers' tensors exist now (transformers allocates them in the first forward)
             self.stacked = (stack_layers(self.cache.layers) if self.stack else None) or ()
         self.past = P
