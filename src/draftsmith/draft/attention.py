@@ -36,6 +36,29 @@ SDPA at 8, 24 and 68 folded rows (N 2, 6, 17 at 4 query heads per KV head) and l
 at S = 512, 2048 and 8192 (bench_verify_attention.json above). Between 68 and 260 is not measured."""
 
 
+_BMM_FLOAT32_OUT: list[Optional[bool]] = [None]
+"""Whether this torch has bmm with out_dtype on CUDA (bf16/fp16 in, float32 out); found by the first call."""
+
+
+def scores(qf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """qf [B, KVH, R, D] @ k^T -> float32 scores [B, KVH, R, S]. On CUDA in bf16/fp16 the matmul writes
+    float32 itself (bmm's out_dtype), as attention kernels keep their scores: rounding them to bf16
+    first would move each softmax weight by up to ~1 % at typical score sizes. Elsewhere (a CPU in
+    float32, the tests) the plain product, cast."""
+    if qf.is_cuda and qf.dtype in (torch.bfloat16, torch.float16) and _BMM_FLOAT32_OUT[0] is not False:
+        B, KVH, R, D = qf.shape
+        try:
+            out = torch.bmm(qf.reshape(B * KVH, R, D), k.transpose(-1, -2).reshape(B * KVH, D, k.shape[2]),
+                            out_dtype=torch.float32)
+            _BMM_FLOAT32_OUT[0] = True
+            return out.view(B, KVH, R, k.shape[2])
+        except (TypeError, RuntimeError):  # an older torch: no out_dtype (a real CUDA error recurs below)
+            if _BMM_FLOAT32_OUT[0]:
+                raise
+            _BMM_FLOAT32_OUT[0] = False
+    return (qf @ k.transpose(-1, -2)).float()
+
+
 def decode_kernel(n_rows: int, n_rep: int) -> str:
     """Which kernel `decode_attention` runs for n_rows query rows at n_rep query heads per KV head:
     "sdpa" or "fold_mm"."""
@@ -62,7 +85,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     if decode_kernel(N, n_rep) == "sdpa" or (mask is not None and mask.shape[1] != 1):  # a per-head mask: SDPA
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=n_rep > 1)
     # fold_mm: the n_rep query heads of a KV head are rows (r, n) of that head: [B, KVH, n_rep * N, D]
-    s = (q.reshape(B, KVH, n_rep * N, D) @ k.transpose(-1, -2)).float() * scale
+    s = scores(q.reshape(B, KVH, n_rep * N, D), k) * scale
     if mask is not None:
         s = s.view(B, KVH, n_rep, N, S)
         m = mask[:, :, None]  # [B or 1, 1, 1, N, S]: the same mask for every head and group member
