@@ -32,7 +32,7 @@ def one_thread():
 
 class TinyServer:
     """A minimal OpenAI-compatible chat server over a local model (greedy), on 127.0.0.1.
-    A conversation whose last user turn contains FAIL gets HTTP 500."""
+    A conversation whose last user turn contains FAIL gets HTTP 500 (while `failing`)."""
 
     def __init__(self, model_dir: Path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,6 +43,7 @@ class TinyServer:
         self.paths: list[str] = []
         self.chat_requests = 0
         server = self
+        self.failing = True
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -67,7 +68,7 @@ class TinyServer:
                     return self._send(404, {"error": "not found"})
                 with server.lock:
                     server.chat_requests += 1
-                if "FAIL" in body["messages"][-1]["content"]:
+                if server.failing and "FAIL" in body["messages"][-1]["content"]:
                     return self._send(500, {"error": "injected failure"})
                 text, finish = server.generate(body["messages"], body["max_tokens"])
                 self._send(200, {"object": "chat.completion", "choices": [
@@ -197,6 +198,49 @@ def test_request_settings_regenerate_a_stage_whose_requests_failed(tmp_path, ser
     assert main(["regenerate", *args, "--regenerate.max_retries", "2"]) == 0
     assert server.chat_requests > n
     assert load_manifest(run_dir / "regen")["config"]["max_retries"] == 2
+
+
+def test_failed_requests_are_sent_again_and_only_they(tmp_path, server, monkeypatch):
+    """A complete stage whose request failed, rerun with a request setting changed (the fix the failure
+    calls for): only the failed conversation is sent again, into a chunk after the others (their shards
+    stay byte for byte), and it leaves errors.jsonl as what it is now. A retry cut off after its shard
+    but before the manifest listed it sends that conversation again on the next run."""
+    monkeypatch.setattr(server, "failing", True)
+    args = _recipe(tmp_path, server_url=server.url)
+    run_dir, regen = tmp_path / "run", tmp_path / "run" / "regen"
+    assert main(["prepare", *args]) == 0 and main(["regenerate", *args]) == 0
+    first = load_manifest(regen)["counts"]
+    assert first["failed"] == 1 and len(load_manifest(regen)["shards"]) == 3
+    before = {p.name: p.read_bytes() for p in regen.glob("shard-*")}
+
+    server.failing = False
+    n = server.chat_requests
+    assert main(["regenerate", *args, "--regenerate.max_retries", "2"]) == 0
+    assert server.chat_requests - n == 1  # the failed conversation's one turn, nothing else
+    m = load_manifest(regen)
+    assert m["status"] == "complete" and "retrying" not in m and len(m["shards"]) == 4 and m["config"]["max_retries"] == 2
+    assert all((regen / name).read_bytes() == b for name, b in before.items())
+    c, errors, convs = m["counts"], read_errors(run_dir), _conversations(run_dir)
+    assert c["failed"] == 0 and c["conversations"] == 7 and c["kept"] == len(convs)
+    assert c["kept"] + c["truncated"] + c["no_loss_tokens"] == 7 and len(errors) == c["truncated"] + c["no_loss_tokens"]
+    assert set(convs) | {e["sample_index"] for e in errors} == set(range(7)) and not set(convs) & {e["sample_index"] for e in errors}
+    assert 3 in convs or any(e["sample_index"] == 3 and e["chunk"] == 3 and e["kind"] == "truncated" for e in errors)
+    after = (m, regen.joinpath("errors.jsonl").read_text(), {p.name: p.read_bytes() for p in regen.glob("shard-*")})
+
+    n = server.chat_requests  # nothing failed now: another setting change sends nothing
+    assert main(["regenerate", *args, "--regenerate.max_retries", "3"]) == 0 and server.chat_requests == n
+
+    # cut off after the retried chunk's errors and shard were written, before the manifest listed it
+    cut = {**after[0], "status": "running", "retrying": True, "shards": after[0]["shards"][:3], "counts": first}
+    write_manifest(regen, cut)
+    assert main(["regenerate", *args, "--regenerate.max_retries", "3"]) == 0
+    assert server.chat_requests - n == 1
+    m = load_manifest(regen)
+    assert m["status"] == "complete" and m["counts"] == after[0]["counts"] and len(m["shards"]) == 4
+    assert regen.joinpath("errors.jsonl").read_text() == after[1]
+    assert {p.name: p.read_bytes() for p in regen.glob("shard-*")} == after[2]
+    assert main(["capture", *args, "--regenerate.max_retries", "3"]) == 0
+    assert load_manifest(run_dir / "capture")["counts"]["samples"] == c["kept"]
 
 
 def test_local_generate(tmp_path):

@@ -20,7 +20,9 @@ Writes RUN_DIR/regen/, the same format as data/ (capture then reads it):
                               retries, answer truncated at max_new_tokens, no loss token left)
     token_counts.safetensors  as prepare's, over the regenerated loss tokens
 A chunk of prepare.samples_per_shard conversations is the unit of resume: a rerun continues after
-the last chunk listed in the manifest.
+the last chunk listed in the manifest. Conversations whose requests failed are sent again when a
+request setting changes (retry_verdict): they go into chunks after the others, and a retry cut off
+resumes too (what is still to send is what no shard holds and no other reason left out).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
                          load_manifest, log, new_manifest, remove_temp_files, require_complete, rerun_command, stage_dir,
-                         verify_shards, write_manifest)
+                         to_jsonable, verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
 from ..speculate.fast import choose_mode, fast_target_or_none
 from ..target.model import eos_token_ids, load_target, load_tokenizer
@@ -54,21 +56,23 @@ UNFINGERPRINTED = ("regenerate.concurrency", "regenerate.timeout_s", "regenerate
 """regenerate.* keys that never change an answer, left out of the stage's fingerprint
 (stages.Stage.unfingerprinted): how many requests are in flight and how long and how often a
 request is tried. Changing one leaves a complete regenerate stage complete, and a cut-off one
-resumes, instead of regenerating every answer. They can change which requests failed, so a
-complete output with failed requests is regenerated when one of them changed (retry_verdict)."""
+resumes, instead of regenerating every answer. They can change which requests failed, so the
+failed requests of a complete output are sent again when one of them changed (retry_verdict): those
+conversations only, into chunks of their own after the others."""
 
 
 def retry_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
     """(verdict, why) for a complete regenerate output whose fingerprint matches `recipe`: "done",
-    or "restart" when requests failed in it and a request setting (UNFINGERPRINTED) changed since,
-    the fix those failures name (a longer timeout, more retries)."""
+    or "continue" when requests failed in it and a request setting (UNFINGERPRINTED) changed since,
+    the fix those failures name (a longer timeout, more retries): `run` then sends the failed
+    conversations' requests again, and only those."""
     failed = int((manifest.get("counts") or {}).get("failed", 0))
     old = manifest.get("config") or {}
     names = [key.split(".")[1] for key in UNFINGERPRINTED]
     changed = [f"regenerate.{n} {old.get(n)} -> {getattr(recipe.regenerate, n)}" for n in names
                if old.get(n) != getattr(recipe.regenerate, n)]
     if failed and changed:
-        return "restart", f"{failed} request(s) failed and {', '.join(changed)}"
+        return "continue", f"{failed} request(s) failed and {', '.join(changed)}: sending those again"
     return "done", ""
 
 
@@ -261,6 +265,13 @@ def regenerate_conversations(generate, conversations: Sequence[list[dict]],
     return [Regenerated(m, a, f) for m, a, f in zip(msgs, answers, failed)]
 
 
+def error_kind(e: dict) -> str:
+    """failed (a request), truncated (at max_new_tokens) or no_loss_tokens, of an errors.jsonl record
+    (older records have no `kind`: read from the reason)."""
+    reason = e.get("reason", "")
+    return e.get("kind") or ("truncated" if "truncated" in reason else "no_loss_tokens" if "loss tokens" in reason else "failed")
+
+
 def kept_indices(data_dir: Path, data_m: dict) -> list[int]:
     return [s.sample_index for p in verify_shards(data_dir, data_m) for s in read_shard(p, with_hidden=False)]
 
@@ -274,7 +285,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     chunks = [indices[i:i + pcfg.samples_per_shard] for i in range(0, len(indices), pcfg.samples_per_shard)]
 
     m = load_manifest(out)
-    if m is None or m["status"] != "running" or m["fingerprint"] != fp:
+    if m is not None and m["status"] == "complete" and m["fingerprint"] == fp:  # only retry_verdict reruns one
+        m["status"], m["retrying"] = "running", True
+        write_manifest(out, m)
+    elif m is None or m["status"] != "running" or m["fingerprint"] != fp:
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         m = new_manifest("regenerate", fp, cfg, {"prepare": data_m["fingerprint"]})
@@ -287,10 +301,11 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     remove_temp_files(out)
     for key in ("answers_reencoded", "prompt_mismatch"):  # a run resumed from an older manifest
         m["counts"].setdefault(key, 0)
+    m["config"] = to_jsonable(cfg)  # the request settings this run uses (a retry's may differ from the first run's)
     errors_text = (out / ERRORS_FILE).read_text(encoding="utf-8") if (out / ERRORS_FILE).exists() else ""
     # errors of chunks the manifest lists; lines of a chunk that was cut off are written again
     done_chunks = len(m["shards"])
-    errors = [line for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
+    errors = [json.loads(line) for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
@@ -298,18 +313,22 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         m["decoding_path"] = generate.path  # generate, or the fast path's mode (static, graphs, compile)
     via = cfg.server_url or f"local decoding ({generate.path})"
     fits = lambda messages, answer_ids: len(prompt_ids(tok, messages, answer_ids)) < pcfg.max_length  # noqa: E731
-    log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {via}; "
-        f"{done_chunks} chunk(s) done before")
     counts = m["counts"]
     stats = ReadStats()
     t0 = time.time()
-    for k in tqdm(range(done_chunks, len(chunks)), desc="regenerate", unit="chunk", file=sys.stderr, disable=None):
-        want = set(chunks[k])
+
+    def conversations(ids: list[int]):
+        want = set(ids)
         convs = [c for c in read_conversations(path, fmt, stats, pcfg.role_map, pcfg.on_unknown_role,
-                                               start=chunks[k][0], stop=chunks[k][-1] + 1) if c.index in want]
-        if [c.index for c in convs] != chunks[k]:
-            raise DraftsmithError(f"{path}: records {chunks[k][0]}..{chunks[k][-1]} no longer match what prepare read; "
+                                               start=ids[0], stop=ids[-1] + 1) if c.index in want]
+        if [c.index for c in convs] != ids:
+            raise DraftsmithError(f"{path}: records {ids[0]}..{ids[-1]} no longer match what prepare read; "
                                   f"the source changed, rerun {rerun_command('prepare', run_dir)}")
+        return convs
+
+    def chunk(k: int, convs, retried: bool) -> None:
+        """Regenerate `convs` into chunk k: its shard, its errors, the manifest that lists it (the last write)."""
+        nonlocal t0
         results = regenerate_conversations(generate, [c.messages for c in convs], fits)
         samples, texts = [], []
         for conv, res in zip(convs, results):
@@ -327,18 +346,21 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                     reason = f"fewer than {pcfg.min_loss_tokens} loss tokens after rendering (max_length {pcfg.max_length})"
             if reason is not None:
                 counts[kind] += 1
-                errors.append(json.dumps({"chunk": k, "sample_index": conv.index, "source_id": conv.source_id,
-                                          "reason": reason}))
+                errors.append({"chunk": k, "sample_index": conv.index, "source_id": conv.source_id, "reason": reason,
+                               "kind": kind})
                 continue
             samples.append(Sample(torch.tensor(r.input_ids, dtype=torch.int64), torch.tensor(r.loss_mask, dtype=torch.bool),
                                   conv.index, source_id=conv.source_id))
             texts.append(json.dumps({"source_id": conv.source_id, "sample_index": conv.index, "messages": res.messages}))
             counts["tokens"] += len(r.input_ids)
             counts["loss_tokens"] += sum(r.loss_mask)
-        counts["conversations"] += len(convs)
+        if retried:  # counted as failed before; counted above as what they are now
+            counts["failed"] -= len(convs)
+        else:
+            counts["conversations"] += len(convs)
         counts["kept"] += len(samples)
         # errors first: a chunk is done only once the manifest lists it, and its errors are on disk by then
-        atomic_write_text(out / ERRORS_FILE, "".join(e + "\n" for e in errors))
+        atomic_write_text(out / ERRORS_FILE, "".join(json.dumps(e) + "\n" for e in errors))
         name = shard_name(k)
         atomic_write_bytes(out / name.replace(".safetensors", ".jsonl"), "".join(t + "\n" for t in texts).encode())
         entry = write_shard(out / name, samples, metadata={"stage": "regenerate"})
@@ -347,6 +369,25 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         m["timings"]["regenerate_s"] = round(m["timings"].get("regenerate_s", 0) + now - t0, 3)
         t0 = now
         write_manifest(out, m)
+
+    log(f"[regenerate] {len(indices):,} conversations in {len(chunks)} chunk(s) through {via}; "
+        f"{min(done_chunks, len(chunks))} chunk(s) done before")
+    for k in tqdm(range(done_chunks, len(chunks)), desc="regenerate", unit="chunk", file=sys.stderr, disable=None):
+        chunk(k, conversations(chunks[k]), retried=False)
+    if m.get("retrying"):
+        # what is still to send: no shard holds it and no reason but a failed request left it out (robust to a
+        # retry cut off between its writes); the error lines of what a listed shard now holds go
+        held = {s.sample_index for p in verify_shards(out, m) for s in read_shard(p, with_hidden=False)}
+        settled = held | {e["sample_index"] for e in errors if error_kind(e) != "failed"}
+        todo = [i for i in indices if i not in settled]
+        errors[:] = [e for e in errors if not (error_kind(e) == "failed" and e["sample_index"] in held)]
+        counts["failed"] = len(todo)
+        log(f"[regenerate] sending the {len(todo):,} failed conversation(s) again through {via}")
+        for j in range(0, len(todo), pcfg.samples_per_shard):
+            part = todo[j:j + pcfg.samples_per_shard]
+            errors[:] = [e for e in errors if e["sample_index"] not in set(part)]  # chunk() writes theirs anew
+            chunk(len(m["shards"]), conversations(part), retried=True)
+        del m["retrying"]
 
     counts_vec = torch.zeros(len(tok), dtype=torch.int64)
     for p in verify_shards(out, m):
