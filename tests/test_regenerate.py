@@ -11,8 +11,9 @@ import pytest
 import torch
 import yaml
 
-from draftsmith.artifacts import Ledger, load_manifest, write_manifest
+from draftsmith.artifacts import DraftsmithError, Ledger, load_manifest, write_manifest
 from draftsmith.cli import main, parse_recipe
+from draftsmith.data import regenerate
 from draftsmith.data.regenerate import read_errors
 from draftsmith.data.shards import read_shard
 from draftsmith.pipeline import run_stage
@@ -212,6 +213,15 @@ def test_failed_requests_are_sent_again_and_only_they(tmp_path, server, monkeypa
     first = load_manifest(regen)["counts"]
     assert first["failed"] == 1 and len(load_manifest(regen)["shards"]) == 3
     before = {p.name: p.read_bytes() for p in regen.glob("shard-*")}
+
+    def down(self):  # the server does not answer: the retry stops before it touches the complete output
+        raise DraftsmithError(f"regenerate.server_url {self.url}: GET /models failed (down)")
+
+    complete = load_manifest(regen)
+    with monkeypatch.context() as mp:
+        mp.setattr(regenerate.ServerGenerator, "_first_model", down)
+        assert main(["regenerate", *args, "--regenerate.max_retries", "2"]) != 0
+    assert load_manifest(regen) == complete
 
     server.failing = False
     n = server.chat_requests

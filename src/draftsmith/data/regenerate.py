@@ -285,10 +285,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     chunks = [indices[i:i + pcfg.samples_per_shard] for i in range(0, len(indices), pcfg.samples_per_shard)]
 
     m = load_manifest(out)
-    if m is not None and m["status"] == "complete" and m["fingerprint"] == fp:  # only retry_verdict reruns one
-        m["status"], m["retrying"] = "running", True
-        write_manifest(out, m)
-    elif m is None or m["status"] != "running" or m["fingerprint"] != fp:
+    retry = m is not None and m["status"] == "complete" and m["fingerprint"] == fp  # only retry_verdict reruns one
+    if not retry and (m is None or m["status"] != "running" or m["fingerprint"] != fp):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         m = new_manifest("regenerate", fp, cfg, {"prepare": data_m["fingerprint"]})
@@ -374,7 +372,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         f"{min(done_chunks, len(chunks))} chunk(s) done before")
     for k in tqdm(range(done_chunks, len(chunks)), desc="regenerate", unit="chunk", file=sys.stderr, disable=None):
         chunk(k, conversations(chunks[k]), retried=False)
-    if m.get("retrying"):
+    if retry or m.get("retrying"):
+        m["status"], m["retrying"] = "running", True  # written once the generator is up (a server that is down
+        write_manifest(out, m)                        # leaves the complete output complete); a cut-off retry resumes
         # what is still to send: no shard holds it and no reason but a failed request left it out (robust to a
         # retry cut off between its writes); the error lines of what a listed shard now holds go
         held = {s.sample_index for p in verify_shards(out, m) for s in read_shard(p, with_hidden=False)}
