@@ -214,6 +214,13 @@ def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
     st = status.collect(run)
     assert st["findings"] == [] and "serve the drafter" in st["next_step"]["text"]
 
+    # the same drafter, but two of evaluate's CUDA-graph captures fell back to eager: its speed figures are not the graphs path's
+    _set(run, "evaluate", metrics={"capture_fallbacks": 2})
+    st = status.collect(run)
+    assert [f["kind"] for f in st["findings"]] == ["capture_fallbacks"]
+    assert "2 CUDA-graph capture(s) of evaluate fell back to eager" in st["findings"][0]["text"]
+    assert "capture_fallbacks" in st["findings"][0]["fix"] and "2 CUDA-graph" in st["next_step"]["text"]
+
 
 def test_serve_command_takes_the_shape_evaluate_measured_fastest(tmp_path):
     """The next step's SGLang flags are those of the faster EAGLE-3 method evaluate measured: the tree's

@@ -214,6 +214,13 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                                 + f", but the drafter was trained with {trained_k} TTT steps{seen}",
                         "fix": f"train with train.ttt_steps >= {max(deep.values())} or evaluate with evaluate.draft_steps / "
                                f"evaluate.tree_depth <= {trained_k}"})
+    fallbacks = _get(ev or {}, "metrics.capture_fallbacks")
+    if fallbacks:  # those calls ran eagerly: the speedups are not the graphs path's
+        out.append({"kind": "capture_fallbacks", "source": f"{_mf('evaluate')}: metrics.capture_fallbacks",
+                    "text": f"{fallbacks} CUDA-graph capture(s) of evaluate fell back to eager, so part of its timings are "
+                            "eager ones and its speedups understate the graphs path",
+                    "fix": "read why in eval/results.json (capture_fallbacks) and the evaluate log; fix that or set "
+                           "evaluate.fast: static to time every method on one path"})
     ngram = methods.get("ngram") or {}
     if ngram.get("tau") is not None:
         lose = {m: v for m, v in methods.items() if m.startswith("eagle3") and v.get("tau") is not None
