@@ -295,11 +295,16 @@ RECIPE_FILE = "recipe.yaml"
 """The run's resolved recipe in its run directory (pipeline.write_recipe): a recipe any command takes."""
 
 
+def stage_command(stage: str, run_dir: str | Path, force: bool = False) -> str:
+    """`draftsmith STAGE RUN_DIR/recipe.yaml [--force]`: a stage (or `run`) on the run's resolved recipe,
+    which the pipeline writes before a stage starts, the path shell-quoted where it needs it, so the
+    command can be pasted as is."""
+    return f"draftsmith {stage} {shlex.quote(str(Path(run_dir) / RECIPE_FILE))}{' --force' if force else ''}"
+
+
 def rerun_command(stage: str, run_dir: str | Path, force: bool = True) -> str:
-    """The command an error's fix names: `draftsmith STAGE RUN_DIR/recipe.yaml --force` (the run's
-    resolved recipe, which the pipeline writes before a stage starts), so it can be pasted as is
-    (the path shell-quoted where it needs it)."""
-    return f"`draftsmith {stage} {shlex.quote(str(Path(run_dir) / RECIPE_FILE))}{' --force' if force else ''}`"
+    """The command an error's fix names, in backticks: stage_command, with --force by default."""
+    return f"`{stage_command(stage, run_dir, force)}`"
 
 
 def run_dir_of(path: str | Path, levels: int = 4) -> Optional[Path]:

@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from .artifacts import RECIPE_FILE, DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_dir
+from .artifacts import (RECIPE_FILE, DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_command,
+                        stage_dir)
 from .compat import TESTED, mtp_layers
 from .config import STAGES
 from .costmodel import target_spec, text_config_dict
@@ -242,26 +243,24 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
 
 def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None,
               ev: Optional[dict] = None) -> dict:
-    recipe_path = run_dir / RECIPE_FILE
-    recipe_arg = shlex.quote(str(recipe_path))  # every command below can be pasted as is
+    recipe_path, run_all = run_dir / RECIPE_FILE, stage_command("run", run_dir)
     for s in stages:
         name, state = s["stage"], s["state"]
         if state == "done":
             continue
-        cmd = f"draftsmith {name} {recipe_arg}"
+        cmd = stage_command(name, run_dir)
         text = {
             "failed": f"{name} failed: {s['error']}. " + (f"Hint: {fix_hint(s['error'], recipe_path)}. " if fix_hint(s["error"]) else "")
                       + f"Fix that, then rerun `{cmd}`.",
             "interrupted": f"{name} was interrupted; `{cmd}` resumes it after what it finished.",
             "running": f"{name} is running; `draftsmith status {shlex.quote(str(run_dir))}` to follow it.",
-            "pending": f"run `{cmd}` (or `draftsmith run {recipe_arg}` for every remaining stage).",
+            "pending": f"run `{cmd}` (or `{run_all}` for every remaining stage).",
         }[state]
         return {"stage": name, "state": state, "text": text, "command": None if state == "running" else cmd}
     if found:  # every stage is done, but the figures say the drafter is not worth serving yet
         first = found[0]
-        return {"stage": None, "state": "done", "command": f"draftsmith run {recipe_arg}",
-                "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}; then rerun "
-                        f"`draftsmith run {recipe_arg}`."}
+        return {"stage": None, "state": "done", "command": run_all,
+                "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}; then rerun `{run_all}`."}
     cmd, why = serve_command(run_dir, recipe, ev)
     return {"stage": None, "state": "done", "text": f"every stage is complete; serve the drafter{why} with `{cmd}`",
             "command": cmd}
