@@ -29,7 +29,7 @@ def test_bench_engine_small(tmp_path, tau):
     assert d["drafter_step_over_target_small"] > 0
     assert math.isfinite(d["planner_max_abs_err_pct"])
     assert not d["skipped"]
-    assert d["capture_fallbacks"] == []
+    assert d["capture_fallbacks"] == [] and d["target_attention"] == "decode_attention"
     rounds_needed = math.ceil(19 / tau)  # 20 new tokens: the prefill's, then tau per round
     for row in d["runs"].values():
         for by_loop in row["methods"].values():
