@@ -42,8 +42,9 @@ step() { local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
   echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "it/s\]" "$OUT/$name.log" | tail -n 4; }
 # The device has no network: the packages the GPU image lacks travel unpacked in .whl/site (carry
 # .whl; made by `pip download -d .whl --python-version 3.12 --only-binary=:all: --platform
-# manylinux2014_x86_64 "jsonargparse[signatures]" ijson` and unzipping jsonargparse, docstring_parser,
-# typeshed_client and ijson into .whl/site).
+# manylinux2014_x86_64 "jsonargparse[signatures]" ijson` and unzipping jsonargparse, docstring_parser
+# and ijson into .whl/site; typeshed_client, 5 MB the CLI does without, is left out so that .whl, build/gpu
+# and the tree fit the 64 MiB a call carries). .whl/peer holds speculators' wheels for the `peer` step.
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
