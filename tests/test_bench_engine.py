@@ -30,6 +30,7 @@ def test_bench_engine_small(tmp_path, tau):
     assert math.isfinite(d["planner_max_abs_err_pct"])
     assert not d["skipped"]
     assert d["capture_fallbacks"] == [] and d["target_attention"] == "decode_attention"
+    assert all(int(s) >= d["prompt_len"] + d["max_new_tokens"] for s in d["cache_columns"].values())
     rounds_needed = math.ceil(19 / tau)  # 20 new tokens: the prefill's, then tau per round
     for row in d["runs"].values():
         for by_loop in row["methods"].values():
