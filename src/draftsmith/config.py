@@ -677,10 +677,7 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
     if argv[:1] == ["--force"] and len(argv) > 1 and not argv[1].startswith("-") and argv[1].lower() not in BOOL_WORDS:
         argv = [*argv[1:], "--force"]  # `draftsmith run --force RECIPE.yaml`: the flag, then the recipe
     if argv and not argv[0].startswith("-"):
-        path = Path(argv[0])
-        if not path.exists():
-            raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
-        argv = ["--config", str(path), *argv[1:]]
+        argv = ["--config", argv[0], *argv[1:]]
     for _, name in _config_args(argv):  # the positional recipe and any further --config FILE
         path = Path(name)
         if not path.exists():

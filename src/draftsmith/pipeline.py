@@ -25,8 +25,8 @@ import os
 import shutil
 import time
 import traceback
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 import yaml
 

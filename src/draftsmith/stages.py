@@ -39,7 +39,7 @@ class Stage:
     the stage on it: it resumes from what it saved) or "restart" (start over, as for other inputs)."""
     distributed: bool = False
     """Runs on every rank under torchrun (it sets up the process group: capture, train, online training).
-    A stage that is not runs on rank 0 only; the other ranks wait for its complete manifest (pipeline.py)."""
+    A stage that is not runs on rank 0 only; the other ranks wait until rank 0 has finished it (pipeline.wait_for_rank0)."""
 
 
 STAGE_TABLE: dict[str, Stage] = {

@@ -243,14 +243,14 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
 
 def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None,
               ev: Optional[dict] = None) -> dict:
-    recipe_path, run_all = run_dir / RECIPE_FILE, stage_command("run", run_dir)
+    run_all = stage_command("run", run_dir)
     for s in stages:
         name, state = s["stage"], s["state"]
         if state == "done":
             continue
         cmd = stage_command(name, run_dir)
         text = {
-            "failed": f"{name} failed: {s['error']}. " + (f"Hint: {fix_hint(s['error'], recipe_path)}. " if fix_hint(s["error"]) else "")
+            "failed": f"{name} failed: {s['error']}. " + (f"Hint: {s['fix_hint']}. " if s.get("fix_hint") else "")
                       + f"Fix that, then rerun `{cmd}`.",
             "interrupted": f"{name} was interrupted; `{cmd}` resumes it after what it finished.",
             "running": f"{name} is running; `draftsmith status {shlex.quote(str(run_dir))}` to follow it.",
