@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.speculate.cache import capture  # noqa: E402
 from draftsmith.draft.attention import decode_attention, decode_kernel  # noqa: E402
 
 SHAPE = dict(heads=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
@@ -104,15 +105,7 @@ def timed_us(fn, cuda: bool, calls: int = 20, repeats: int = 5) -> float:
                 fn()
             ts.append((time.perf_counter() - t) / calls * 1e6)
         return sorted(ts)[len(ts) // 2]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g, _ = capture(lambda: [fn() for _ in range(calls)])  # the engine's own capture: a warm-up on a side stream, then the graph
     g.replay()
     torch.cuda.synchronize()
     ts = []
