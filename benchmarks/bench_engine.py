@@ -4,6 +4,7 @@ on an 8B-shaped target and an 8B-class EAGLE-3 drafter (issue 20 item 1).
     python benchmarks/bench_engine.py --out bench_engine.json                 # H200, bf16, graphs: --budget_s 170 of
                                                                               # measuring, ~200 s with the build
     python benchmarks/bench_engine.py --small --out /tmp/e.json               # CPU smoke: tiny dims, static caches
+    python benchmarks/bench_engine.py --bound_only [--draft_steps 3]          # the ceiling below, anywhere (meta device)
 
 What is real and what is not
     target   a Llama-3-8B-shaped model (H 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256),
@@ -44,7 +45,11 @@ Headline keys (the resident loop, the device path; `_host` keys beside them for 
 engine_eff_8b_bs{1,4,16}_{chain,tree}, plain_bw_fraction_8b_bs{1,4,16}, drafter_step_over_target_8b,
 planner_max_abs_err_pct (over both methods and every batch size measured, resident loop; the tree's
 alone: planner_tree_max_abs_err_pct; the old batch-1 planner's: planner_bs1_max_abs_err_pct), plus raw
-timings under "runs". With --small the `8b` in every key is `small`. --budget_s stops starting new
+timings under "runs". engine_eff_bound_8b: the ceiling of speedup / τ when every step is weight-bandwidth
+bound (weight_bound: bytes of a plain step over bytes of a round; "by_draft_steps" 1..--draft_steps) -- at the
+default 5 draft steps no engine reaches 0.81 with this pair, at 3 steps 0.87. With --profile, step_profiles: the
+kernels of a target forward over 1 and draft_steps + 1 tokens and of a drafter step over 1 and --tree_topk rows
+(batch 1), beside the plain step's and the rounds'. With --small the `8b` in every key is `small`. --budget_s stops starting new
 configurations once spent (what ran is written; the rest is listed in "skipped"). capture_fallbacks: every
 CUDA-graph capture of this run that failed, so that call ran eagerly (speculate.cache.CAPTURE_FALLBACKS;
 empty when every graph was captured; a non-empty list means those figures are not the graphed path's).
@@ -88,8 +93,9 @@ CONFIGS = {
 # ----------------------------------------------------------------------------- models
 
 
-def build_target(dims: dict, device: torch.device, dtype: torch.dtype, seed: int) -> Target:
-    """A random-weight Llama of `dims`, built on `device` directly (no CPU copy, no disk)."""
+def build_target(dims: dict, device: torch.device, dtype: torch.dtype, seed: int, random: bool = True):
+    """A random-weight Llama of `dims`, built on `device` directly (no CPU copy, no disk), as a Target;
+    random=False: the bare model as built (the meta device's, for --bound_only)."""
     from transformers import LlamaConfig, LlamaForCausalLM  # why here: seconds to import
 
     cfg = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden_size"], intermediate_size=dims["intermediate"],
@@ -99,6 +105,8 @@ def build_target(dims: dict, device: torch.device, dtype: torch.dtype, seed: int
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    if not random:
+        return model
     decisive(model, dims["init_std"] or 0.02, seed)
     model.eval().requires_grad_(False)
     t = Target(model, None)
@@ -225,6 +233,27 @@ def accept_profile(stats, depth: int) -> list[float]:
     return out
 
 
+def weight_bound(target: Target, drafter: Eagle3Drafter, steps: int, rows: int) -> dict:
+    """The most speedup / τ any engine can reach at these shapes when every step is weight-bandwidth
+    bound, as bytes: a plain step reads the target's weights once; a round reads them once for
+    `rows` verify rows per sequence (costmodel.target_spec: dense weights, the lm_head, the experts
+    those rows touch), the drafter's layer and head once per draft step (a round runs `steps` of them:
+    its expansion's steps and the feed of the accepted rows) and its fc once. KV-cache and activation
+    bytes are left out (a few per cent at these contexts), so the figure is a ceiling, not a model.
+    Per draft step count 1..steps, batch 1."""
+    from draftsmith.costmodel import target_spec
+    from draftsmith.evaluate.costs import replace_bytes
+
+    spec = replace_bytes(target_spec(target.model.config.to_dict()), target.dtype)
+    per_step = sum(p.numel() * p.element_size() for n, p in drafter.named_parameters()
+                   if n.split(".")[0] in ("midlayer", "norm", "lm_head"))
+    fc = drafter.fc.weight.numel() * drafter.fc.weight.element_size()
+    plain, verify = spec.bytes_read(1), spec.bytes_read(rows)
+    return {"target_gb_per_step": round(plain / 1e9, 3), "drafter_gb_per_step": round(per_step / 1e9, 4),
+            "drafter_step_over_target_bytes": round(per_step / plain, 4),
+            "by_draft_steps": {str(k): round(plain / (verify + k * per_step + fc), 4) for k in range(1, steps + 1)}}
+
+
 def kernel_profile(fn, per: int, top: int = 15) -> dict:
     """Where one step's GPU time goes: torch.profiler over fn() (already warmed up), the CUDA kernels
     grouped by name, divided by `per` (the steps or rounds fn runs): per-step milliseconds, launches per
@@ -267,6 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget_s", type=float, default=170.0, help="start no new configuration after this many seconds")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (GPU), float32 (CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bound_only", action="store_true",
+                    help="print the weight-bandwidth ceiling of speedup / tau (weight_bound) and stop: the models on "
+                         "the meta device, no GPU, nothing timed")
     ap.add_argument("--no_cudnn_sdpa", action="store_true",
                     help="torch's cuDNN attention backend off (SDPA picks flash / memory-efficient / math instead)")
     a = ap.parse_args(argv)
@@ -277,6 +309,17 @@ def main(argv=None) -> int:
     if a.tau < 1 or a.tau > a.draft_steps + 1:
         print(f"--tau {a.tau}: needs 1 <= tau <= draft_steps + 1 ({a.draft_steps + 1})", file=sys.stderr)
         return 2
+    if a.bound_only:
+        dtype = getattr(torch, a.dtype or "bfloat16")
+        with torch.device("meta"):
+            target = Target(build_target(dims, torch.device("meta"), dtype, a.seed, random=False), None)
+            drafter = Eagle3Drafter(drafter_config(target.config, DraftConfig(), dims["draft_vocab"],
+                                                   target.aux_layer_ids)).to(dtype)
+        bound = weight_bound(target, drafter, a.draft_steps, a.draft_steps + 1)
+        print(json.dumps({"config": name, "dims": dims, "dtype": str(dtype).replace("torch.", ""),
+                          "draft_steps": a.draft_steps, f"engine_eff_bound_{name}": bound["by_draft_steps"][str(a.draft_steps)],
+                          "weight_bound": bound}, indent=1))
+        return 0
     cuda = torch.cuda.is_available() and not a.small
     if not a.small and not cuda:
         print("bench_engine: the 8B-shaped pair needs a CUDA GPU; run with --small for the CPU smoke", file=sys.stderr)
@@ -304,8 +347,15 @@ def main(argv=None) -> int:
     all_prompts = torch.randint(3, V, (max(a.batch_sizes), P), generator=gen).tolist()
 
     # step costs on this path (what `plan` predicts from), at batch 1 and at every batch size measured
+    profiles: dict[str, dict] = {}
+
+    def probe(kind: str, batch: int, n: int, step) -> None:  # --profile: a target forward and a drafter step
+        if batch == 1 and (kind, n) in (("target", 1), ("target", D + 1), ("draft", 1), ("draft", a.tree_topk)):
+            profiles[f"{kind}_{n}"] = kernel_profile(step, 1)
+
     costs = measure_step_costs(target, drafter, all_prompts[0], repeats=5, runners=runners,
-                               batch_sizes=a.batch_sizes, tree_topk=a.tree_topk)
+                               batch_sizes=a.batch_sizes, tree_topk=a.tree_topk,
+                               probe=probe if a.profile and cuda else None)
     fwd1 = costs["target_forward_ms"]["1"]
     result = {"config": name, "dims": dims, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "dtype": str(dtype).replace("torch.", ""), "path": runners.mode, "torch": torch.__version__,
@@ -315,6 +365,12 @@ def main(argv=None) -> int:
               "step_costs": costs, "build_s": round(t_built, 1), "runs": {}, "skipped": [],
               "capture_fallbacks": CAPTURE_FALLBACKS[n_fallbacks:]}
     result[f"drafter_step_over_target_{name}"] = round(costs["draft_step_ms"] / fwd1, 4)
+    if profiles:
+        result["step_profiles"] = profiles
+    bound = result["weight_bound"] = weight_bound(target, drafter, D, D + 1)
+    result[f"engine_eff_bound_{name}"] = bound["by_draft_steps"][str(D)]
+    print(f"[bench_engine] weight-bandwidth ceiling of speedup / tau at {D} draft steps: "
+          f"{result[f'engine_eff_bound_{name}']:.3f} (by draft steps: {bound['by_draft_steps']})", flush=True)
     print(f"[bench_engine] target forward {fwd1:.3f} ms (1 token), drafter step {costs['draft_step_ms']:.3f} ms "
           f"({result[f'drafter_step_over_target_{name}']:.3f} of it)", flush=True)
 

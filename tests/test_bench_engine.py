@@ -29,6 +29,8 @@ def test_bench_engine_small(tmp_path, tau):
     assert d["drafter_step_over_target_small"] > 0
     assert math.isfinite(d["planner_max_abs_err_pct"])
     assert not d["skipped"]
+    steps = d["weight_bound"]["by_draft_steps"]
+    assert d["engine_eff_bound_small"] == steps["5"] and all(0 < steps[str(k + 1)] < steps[str(k)] < 1 for k in range(1, 5))
     assert d["capture_fallbacks"] == [] and d["target_attention"] == "decode_attention"
     assert all(int(s) >= d["prompt_len"] + d["max_new_tokens"] for s in d["cache_columns"].values())
     rounds_needed = math.ceil(19 / tau)  # 20 new tokens: the prefill's, then tau per round
@@ -149,3 +151,17 @@ def test_decisive_target_follows_its_permutation_in_bf16():
     want = (head.float() @ emb.float().T).argmax(0)  # the token whose lm_head row is each embedding
     assert torch.equal(logits.argmax(-1), want[ids])
     assert ((top2[..., 0] - top2[..., 1]) > 0.3 * top2[..., 0].abs()).all()
+
+
+def test_weight_bound_8b_golden(capsys):
+    """The ceiling of speedup / τ for the 8B pair, by hand: the target reads 8.030B bf16 params a step
+    (16.061 GB); a drafter step its layer and head: q/k/v 8192 x 6144 + o 4096^2 + MLP 3 x 4096 x 14336
+    + lm_head 32000 x 4096 + norms = 374.4M params (0.7487 GB); fc 12288 x 4096 once a round (0.1007 GB).
+    Five steps: 16.061 / (16.061 + 5 x 0.7487 + 0.1007) = 0.8069; three: 0.8725. On the meta device."""
+    assert bench_engine.main(["--bound_only"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["engine_eff_bound_8b"] == pytest.approx(0.8069, abs=1e-4)
+    b = d["weight_bound"]
+    assert b["target_gb_per_step"] == pytest.approx(16.061, abs=1e-3)
+    assert b["drafter_gb_per_step"] == pytest.approx(0.7487, abs=1e-4)
+    assert b["by_draft_steps"]["3"] == pytest.approx(0.8725, abs=1e-4)

@@ -5,7 +5,7 @@ decoding's speed as a fraction of the memory-bandwidth limit (costmodel.py's wei
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -29,9 +29,11 @@ def _median_ms(target, fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[int], widths: Sequence[int],
-              repeats: int, runners: DecodeRunners) -> tuple[dict, dict]:
+              repeats: int, runners: DecodeRunners, probe: Optional[Callable] = None) -> tuple[dict, dict]:
     """({n: target forward ms over n new tokens per sequence}, {r: drafter step ms over r rows per
-    sequence}) for `batch` copies of `context`, on the runners' path. Each step's rows are dropped again."""
+    sequence}) for `batch` copies of `context`, on the runners' path. Each step's rows are dropped again.
+    probe(kind, batch, n, step), when given, is called after each timing with the warmed-up step
+    ("target" over n tokens, "draft" over n rows): a profiler's hook (benchmarks/bench_engine.py)."""
     dev, C = target.device, len(context)
     fast_target, fast_draft = runners.get(batch)
     runner = fast_target or EagerVerifier(target)
@@ -50,6 +52,8 @@ def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[
             runner.verify(x, vpos, start, end, anc, n)
             runner.keep([], [], [], C)
         forward_ms[str(n)] = _median_ms(target, step, repeats)
+        if probe:
+            probe("target", batch, n, step)
 
     prop = Eagle3Proposer(drafter, topk=1, budget=1, fast=fast_draft)
     prop.start([context] * batch, [rows_of(out, b, torch.arange(C, device=dev)) for b in range(batch)])
@@ -67,26 +71,28 @@ def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[
                 drafter.logits(g2)
             prop.cache.crop(L)
         draft_ms[width] = _median_ms(target, dstep, repeats)
+        if probe:
+            probe("draft", batch, width, dstep)
     return forward_ms, draft_ms
 
 
 @torch.inference_mode()
 def measure_step_costs(target, drafter, context: list[int], repeats: int = 3, runners: DecodeRunners = EAGER_RUNNERS,
-                       batch_sizes: Sequence[int] = (), tree_topk: int = 4) -> dict:
+                       batch_sizes: Sequence[int] = (), tree_topk: int = 4, probe: Optional[Callable] = None) -> dict:
     """Target forward time over n = 1..64 new tokens after `context` and the drafter's step time
     over 1 row (chain) and `tree_topk` rows (a tree's frontier), on the decoding path the run measured
     (fast or eager); medians, in ms. At every batch size > 1 in `batch_sizes` the same is measured
     for that many copies of the context (tokens per sequence up to 32): `by_batch`, which `plan`
-    uses at that batch size instead of scaling the batch-1 figures."""
+    uses at that batch size instead of scaling the batch-1 figures. `probe`: see _costs_at."""
     widths = sorted({1, 4, tree_topk})
-    forward_ms, draft_ms = _costs_at(target, drafter, context, 1, STEP_COST_TOKENS, widths, repeats, runners)
+    forward_ms, draft_ms = _costs_at(target, drafter, context, 1, STEP_COST_TOKENS, widths, repeats, runners, probe)
     out = {"context_tokens": len(context), "batch_size": 1, "device": str(target.device),
            "dtype": str(target.dtype).replace("torch.", ""), "path": runners.mode, "target_forward_ms": forward_ms,
            "draft_step_ms": draft_ms[1], "draft_step_ms_4_rows": draft_ms[4],
            "draft_step_ms_rows": {str(w): ms for w, ms in draft_ms.items() if w > 1}}
     by_batch = {}
     for b in sorted({b for b in batch_sizes if b > 1}):
-        f, d = _costs_at(target, drafter, context, b, BATCH_COST_TOKENS, widths, repeats, runners)
+        f, d = _costs_at(target, drafter, context, b, BATCH_COST_TOKENS, widths, repeats, runners, probe)
         by_batch[str(b)] = {"target_forward_ms": f, "draft_step_ms": d[1],
                             "draft_step_ms_rows": {str(w): ms for w, ms in d.items() if w > 1}}
     if by_batch:
