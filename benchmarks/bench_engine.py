@@ -383,9 +383,10 @@ def main(argv=None) -> int:
             return 2
         # which attention the target's forwards ran: draft.attention.decode_attention, or the model's own (runs before 2026-12-04 s4)
         result.setdefault("target_attention", "decode_attention" if ft.attn_configs else "model's own")
-        result.setdefault("cache_columns", {})[str(B)] = ft.S  # attention reads all of them, masked (the used ones: prompt + new)
+        result.setdefault("cache_columns", {})[str(B)] = ft.S  # allocated; before 2026-12-05 attention read all of them, masked
         table = tables.setdefault(B, torch.zeros(B, P + max_new + D + 2, dtype=torch.long, device=dev))
         ref = ft.plain(prompts, max_new)  # warm-up: captures the plain graph; the oracle's first truth
+        result.setdefault("attention_columns", {})[str(B)] = ft.W  # what the forwards read (FastTarget.attend)
         plain_ts = [timed(target, lambda: ft.plain(prompts, max_new))[1] for _ in range(a.repeats)]
         plain_s = median(plain_ts)
         tok_s = B * max_new / plain_s

@@ -33,6 +33,7 @@ def test_bench_engine_small(tmp_path, tau):
     assert d["engine_eff_bound_small"] == steps["5"] and all(0 < steps[str(k + 1)] < steps[str(k)] < 1 for k in range(1, 5))
     assert d["capture_fallbacks"] == [] and d["target_attention"] == "decode_attention"
     assert all(int(s) >= d["prompt_len"] + d["max_new_tokens"] for s in d["cache_columns"].values())
+    assert all(d["prompt_len"] + d["max_new_tokens"] < w <= d["cache_columns"][b] for b, w in d["attention_columns"].items())
     rounds_needed = math.ceil(19 / tau)  # 20 new tokens: the prefill's, then tau per round
     for row in d["runs"].values():
         for by_loop in row["methods"].values():
@@ -76,7 +77,7 @@ def test_bench_engine_records_capture_fallbacks(tmp_path, monkeypatch, fail):
         assert d["capture_fallbacks"] == []
         return
     what = {f.split(": RuntimeError: operation not permitted when stream is capturing")[0] for f in d["capture_fallbacks"]}
-    assert {"FastTarget.verify_rows on inputs [(1, 6), (1, 6), (), (1,), (1,), (1, 6, 6)]",  # the host loop's rounds
+    assert {"FastTarget.verify_rows on inputs [(1, 6), (1, 6), (), (1,), (1,), (1, 6, 6), (256,)]",  # the host loop's rounds
             "the resident round (batch 1, topk 1, budget 5, depth 5)"} <= what, what
     # the rest: the step costs' verifies at other row counts
     assert all(w.startswith(("FastTarget.verify_rows on inputs", "the resident round")) for w in what), what

@@ -18,7 +18,7 @@ from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.proposer import PerSequence
 from draftsmith.speculate.verify import plain_generate
-from draftsmith.speculate.cache import CAPTURE_FALLBACKS, Graphed
+from draftsmith.speculate.cache import CAPTURE_FALLBACKS, CAPTURES, Graphed
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget, resolve_mode
 from draftsmith.speculate.tree import pick_on_device
@@ -70,6 +70,7 @@ def emulated_capture(fn, args=(), state=None):
                 state[k].copy_(v)
     call(False)
     out = call(True)
+    CAPTURES[0] += 1
     return EmulatedGraph(fn, args, out), out
 
 
@@ -135,6 +136,62 @@ def test_fast_speculative_lossless(target, plains, fitted, mode, monkeypatch, me
         accepted += [a for s in stats for a in s.accepted_per_round]
     if method != "ngram":  # drafts were accepted, deep ones too: cache moves and masks are exercised
         assert max(accepted) >= 2 and sum(accepted) >= len(accepted) // 2, (method, accepted)
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_attention_width_follows_the_context(target, plains, fitted, mode, monkeypatch):
+    """The forwards attend over the cache's first W columns (FastTarget.attend: a power of two >= 256
+    that holds the generation), not all S allocated: with every column past W poisoned (NaN: a masked
+    column still enters the products, 0 x NaN), plain decoding, the host loop's rounds and the resident
+    rounds still equal eager decoding. A longer generation on the same FastTarget attends wider (its own
+    graphs) and is still lossless."""
+    mode = fast_mode(mode, monkeypatch)
+    ft, fd = FastTarget(target, mode, batch_size=2), FastDraft(fitted, graphs=mode != "static")  # 2,304 columns
+    assert ft.plain(PROMPTS[:2], 24) == plains[:2]  # batch 2 throughout: the cache poisoned below stays
+    assert ft.W == 256 < ft.S
+    with torch.inference_mode():  # the cache's tensors are inference tensors
+        for layer in ft.cache.layers:
+            for t in (layer.keys, layer.values):
+                t[:, :, ft.W:] = float("nan")
+    assert ft.plain(PROMPTS[:2], 24) == plains[:2]
+    for resident in (False, True):
+        new, _ = generate(target, Eagle3Proposer(fitted, topk=3, budget=8, fast=fd), PROMPTS[:2], 24, depth=4,
+                          fast=ft, resident=resident)
+        assert new == plains[:2] and ft.W == 256
+    with torch.inference_mode():  # a wider generation reads columns [256, 512): written ones or zeros, as allocated
+        for layer in ft.cache.layers:
+            for t in (layer.keys, layer.values):
+                t[:, :, ft.W:] = 0
+    long_ref = [plain_generate(target, p, 260) for p in PROMPTS[:2]]
+    assert ft.plain(PROMPTS[:2], 260) == long_ref and ft.W == 512
+    new, _ = generate(target, Eagle3Proposer(fitted, topk=1, budget=4, fast=fd), PROMPTS[:2], 260, depth=4,
+                      fast=ft, resident=True)
+    assert new == long_ref
+
+
+def test_evaluate_measures_again_a_run_that_captured(target, plains, fitted, monkeypatch):
+    """evaluate's figures never hold a graph capture: a timed run (plain or a method) that captured one
+    (its first call, or a longer generation that attends wider: FastTarget.attend) is run again and
+    the second run is the one returned; a run that only replays is run once."""
+    from draftsmith.config import EvaluateConfig
+    from draftsmith.evaluate import measure
+    from draftsmith.speculate import fast
+
+    monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": mode)
+    fast_mode("emulated", monkeypatch)
+    runners = measure.DecodeRunners(target, fitted, "graphs")
+    calls = []
+    real_plain, real_generate = FastTarget.plain, measure.generate
+    monkeypatch.setattr(FastTarget, "plain", lambda self, *a, **k: calls.append("plain") or real_plain(self, *a, **k))
+    monkeypatch.setattr(measure, "generate", lambda *a, **k: calls.append("chain") or real_generate(*a, **k))
+    cfg = EvaluateConfig(max_new_tokens=24, draft_steps=4)
+    for n, runs in ((24, 2), (24, 1), (260, 2), (260, 1)):  # new graphs, replays, a wider attention, replays
+        calls.clear()
+        [out], _ = measure.run_plain(target, [PROMPTS[0]], cfg, [], runners=runners, max_new_tokens=n)
+        [new], _, _ = measure.run_method(target, fitted, "eagle3_chain", [PROMPTS[0]], cfg, [], max_new_tokens=n,
+                                         runners=runners)
+        assert calls == ["plain"] * runs + ["chain"] * runs, (n, calls)
+        assert out == new == (plains[0] if n == 24 else out) and len(out) == n
 
 
 def test_fast_oracle_accepts_everything(target, plains):
@@ -310,7 +367,7 @@ def test_a_capture_that_falls_back_is_recorded(target, plains, fitted, monkeypat
         assert new == plains[:2]
     assert len(CAPTURE_FALLBACKS) == 1, CAPTURE_FALLBACKS
     what = "the resident round (batch 2, topk 3, budget 8, depth 4)" if resident else \
-        "FastTarget.verify_rows on inputs [(2, 9), (2, 9), (), (2,), (2,), (2, 9, 9)]"
+        "FastTarget.verify_rows on inputs [(2, 9), (2, 9), (), (2,), (2,), (2, 9, 9), (256,)]"
     assert CAPTURE_FALLBACKS[0] == f"{what}: RuntimeError: operation not permitted when stream is capturing"
 
 

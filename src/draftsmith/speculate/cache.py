@@ -6,6 +6,7 @@
     crop_cache, move_rows  keep/move columns of a transformers cache, a drafter cache or a static one
     capture, Graphed       CUDA-graph capture of a function, and replay per input shape
     CAPTURE_FALLBACKS      every capture that failed in this process (its call then runs eagerly)
+    CAPTURES               how many graphs this process captured (a timed run that moved it paid for one)
     StaticDraftCache       the drafter's preallocated KV cache (graphed drafting steps write into it)
     stack_layers           a static cache's per-layer key/value tensors as views of one tensor each
 """
@@ -38,11 +39,16 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)[:, None]
 
 
+CAPTURES = [0]
+"""CUDA graphs captured in this process (capture's calls): evaluate measures a run again when it moved."""
+
+
 def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dict[str, torch.Tensor]] = None):
     """Run fn(*args) once for real on a side stream (lazy allocations, kernel selection,
     compilation), then capture one call into a CUDA graph. `state`: tensors fn advances in place
     (a decoding step's counters); the warm-up's changes to them are undone, also when it fails.
     Returns (graph, the captured call's outputs); replay the graph to compute."""
+    CAPTURES[0] += 1
     saved = {k: v.clone() for k, v in (state or {}).items()}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

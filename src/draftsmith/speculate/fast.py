@@ -19,11 +19,13 @@ Modes (`evaluate.fast`): off = eager, transformers' DynamicCache; static = stati
 graphs (what a CPU runs; the tests); graphs = static + CUDA graphs; compile = graphs around a
 torch.compile'd target forward. Column bookkeeping is the engine's: sequence b owns the columns
 [start_b, end_b); a forward writes its N rows at [past, past + N) with past = max_b end_b, and
-the mask hides every other column, so the cache is never cropped or re-allocated.
+the mask hides every other column, so the cache is never cropped or re-allocated. The forwards
+attend over the first W columns only (`attend`: a power of two that holds the generation), so
+attention reads what the context uses, not every column allocated.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -144,16 +146,18 @@ def hf_decode_attention(module, query, key, value, attention_mask, dropout: floa
     """transformers' attention-function contract (integrations/sdpa_attention.py): q [B, H, N, D],
     k/v [B, KVH, S, D(v)] and a 4D mask in, ([B, N, H, Dv], None) out, over decode_attention. What it
     does not handle goes to transformers' own sdpa function unchanged: no or a non-4D mask (is_causal
-    decides there), dropout, attention weights asked for, position biases, sinks, softcapping."""
+    decides there), dropout, attention weights asked for, position biases, sinks, softcapping. A mask
+    narrower than the cache (W columns) attends over the cache's first W columns only."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (attention_mask is None or attention_mask.dim() != 4 or dropout or kwargs.get("output_attentions")
             or any(kwargs.get(k) is not None for k in UNHANDLED) or query.shape[1] % key.shape[1]
-            or attention_mask.shape[-1] != key.shape[-2] or query.shape[-1] != key.shape[-1]):
+            or attention_mask.shape[-1] > key.shape[-2] or query.shape[-1] != key.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     DECODE_ATTENTION_CALLS[0] += 1
-    return decode_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+    W = attention_mask.shape[-1]  # FastTarget's attention width: the cache's first W columns (views, no copy)
+    return decode_attention(query, key[:, :, :W], value[:, :, :W], attention_mask, scaling).transpose(1, 2).contiguous(), None
 
 
 def decode_attention_configs(model: torch.nn.Module) -> list:
@@ -218,24 +222,41 @@ class FastTarget:
                 raise DraftsmithError(f"{type(self.target.model).__name__}: the fast path needs a plain static KV cache "
                                       f"(transformers >= 5 StaticLayer, no sliding-window layers); set {self.key}: off")
         self.B, self.S = batch_size, S
+        self.W = S  # the columns the forwards attend over, [0, W): set per generation by prefill (attend)
         self.reallocations += 1
         self.cols = torch.arange(S, device=self.device)
         self.verify_g = Graphed(self.verify_rows, self.graphs)
         self.keep_g = Graphed(self.move_columns, self.graphs)
-        self.plain_graph = None
+        self.plain_graphs: dict[tuple, Any] = {}
         self.past = 0
         self.stacked: Optional[tuple] = None  # the layers' keys and values stacked (stack_layers), after a prefill
+
+    def attend(self, needed: int) -> int:
+        """The attention width for a generation that uses `needed` columns: the smallest of 256, 512,
+        1024, ... that holds them, at most S. The forwards attend over columns [0, W) only, so a step's
+        attention reads what the context uses, not the whole cache (at batch 16 with 2,304 columns
+        allocated and ~260 used, 4.8 GB a step at Llama-8B shapes instead of 1.1); one graph per width
+        (a handful: powers of two). Only decode_attention reads fewer columns; transformers' own
+        attention gets the mask widened to S again."""
+        W = 256
+        while W < needed:
+            W *= 2
+        self.W = min(W, self.S)
+        return self.W
 
     # -- the forwards -------------------------------------------------------------------
 
     def _forward(self, ids, pos, past, mask):
-        """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, S]. The
-        attention is decode_attention with the boolean mask (attn_configs switched for this forward
-        only: other users of the model keep theirs), else transformers' with an additive mask."""
+        """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, W] over
+        the cache's first W <= S columns. The attention is decode_attention with the boolean mask,
+        over those W columns (attn_configs switched for this forward only: other users of the model
+        keep theirs), else transformers' with an additive mask over all S."""
         for layer in self.cache.layers:
             layer.cumulative_length.copy_(past)
         kw = dict(past_key_values=self.cache, position_ids=pos, use_cache=True)
         if not self.attn_configs:
+            if mask.shape[-1] < self.S:
+                mask = torch.nn.functional.pad(mask, (0, self.S - mask.shape[-1]))  # False: hidden
             out = self.target.forward(ids, attention_mask=additive(mask, self.target.dtype), **kw)
             return out.logits, out.aux_hidden, out.final_hidden
         saved = [c._attn_implementation_internal for c in self.attn_configs]
@@ -248,12 +269,13 @@ class FastTarget:
                 c._attn_implementation_internal = s
         return out.logits, out.aux_hidden, out.final_hidden
 
-    def verify_rows(self, ids, pos, past, start, end, anc):
+    def verify_rows(self, ids, pos, past, start, end, anc, cols):
         """The verify forward from device tensors only (graph-safe; `verify` graphs it, resident rounds
         call it inside theirs): [B, N] rows written at `past` (0-d), each seeing its sequence's columns
-        [start_b, end_b) and the new rows anc allows. Returns (logits, aux_hidden, final_hidden)."""
+        [start_b, end_b) and the new rows anc allows, attending over the columns `cols` (arange(W): an
+        input, so that each width has its own graph). Returns (logits, aux_hidden, final_hidden)."""
         anc = anc.bool()  # sent as int64 with the other inputs
-        return self.fn(ids, pos, past, device_tree_mask(self.cols, start, end, past, anc))
+        return self.fn(ids, pos, past, device_tree_mask(cols, start, end, past, anc))
 
     def move_columns(self, b, src, dst):
         """Cache columns src -> dst of batch rows b in every layer (device index tensors; graph-safe)."""
@@ -268,7 +290,8 @@ class FastTarget:
         """Left-padded prompts [B, P] into columns [0, P) (eager: prompt lengths vary)."""
         B, P = ids.shape
         self.ensure(B, P + max_new_tokens + max_rows)
-        mask = torch.zeros(B, P, self.S, dtype=torch.bool, device=ids.device)
+        self.attend(P + max_new_tokens + max_rows + 1)
+        mask = torch.zeros(B, P, self.W, dtype=torch.bool, device=ids.device)
         mask[:, :, :P] = prefill_mask(pad, P)
         calls = DECODE_ATTENTION_CALLS[0]
         logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
@@ -298,13 +321,13 @@ class FastTarget:
             a[:, :N, :N] = anc
             anc = a
         M = ids.shape[1]
-        if self.past + M >= self.S:
-            raise DraftsmithError(f"fast path: {self.past + M} cache columns needed, {self.S} allocated "
+        if self.past + M >= self.W:
+            raise DraftsmithError(f"fast path: {self.past + M} cache columns needed, {self.W} attended ({self.S} allocated) "
                                   "(prefill's max_new_tokens/max_rows too small)")
         parts = (ids, pos, start, end, torch.tensor([self.past]), anc)
         buf = h2d(torch.cat([x.reshape(-1).long() for x in parts]), self.device)
         ids, pos, start, end, past, anc = (v.view(x.shape) for v, x in zip(buf.split([x.numel() for x in parts]), parts))
-        logits, aux, final = self.verify_g(ids, pos, past.reshape(()), start, end, anc)
+        logits, aux, final = self.verify_g(ids, pos, past.reshape(()), start, end, anc, self.cols[:self.W])
         return TargetOutput(logits=logits[:, :N], aux_hidden=aux[:, :N], final_hidden=final[:, :N])
 
     def keep(self, b: list[int], src: list[int], dst: list[int], length: int, n_moves: int = 0) -> None:
@@ -363,14 +386,14 @@ class FastTarget:
                            "buf": torch.zeros(B, self.S, dtype=torch.long, device=dev),
                            "i": torch.zeros(1, dtype=torch.long, device=dev)}
             self._state_for = (self.B, self.S)
-            self.plain_graph = None
+            self.plain_graphs = {}
         return self._state
 
     def _plain_step(self, temperature: float) -> Callable[[], None]:
-        st = self._state
+        st, cols = self._state, self.cols[:self.W]
 
         def step():
-            mask = ((self.cols >= st["start"][:, None]) & (self.cols <= st["past"]))[:, None, :]
+            mask = ((cols >= st["start"][:, None]) & (cols <= st["past"]))[:, None, :]
             logits, _, _ = self.fn(st["tok"], st["pos"], st["past"], mask)
             nxt = pick_on_device(logits[:, -1], temperature)
             st["tok"].copy_(nxt[:, None])
@@ -381,8 +404,7 @@ class FastTarget:
 
         if not self.graphs:
             return step
-        key = (temperature,)
-        if self.plain_graph is None or self.plain_graph[0] != key:
-            graph, _ = capture(step, state=st)  # the warm-up step's advance is undone
-            self.plain_graph = (key, graph)
-        return self.plain_graph[1].replay
+        key = (temperature, self.W)  # one graph per sampling setting and attention width
+        if key not in self.plain_graphs:
+            self.plain_graphs[key], _ = capture(step, state=st)  # the warm-up step's advance is undone
+        return self.plain_graphs[key].replay

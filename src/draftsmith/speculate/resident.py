@@ -215,6 +215,7 @@ class Resident:
         self.depth_c = h2d([1] * self.K + [dd for dd in range(2, depth + 1) for _ in range(self.K * self.K)], dev, L)
         self.d_cols = torch.arange(prop.cache.size, device=dev)
         self.spare = h2d(ft.S - 1, dev, L)  # the target cache's scratch column
+        self.t_cols = ft.cols[:ft.W]        # the columns the target's forwards attend over (FastTarget.attend)
         self.parts = round_parts(compile_round)
         self.b_idx = torch.arange(B, device=dev).repeat_interleave(self.T)
         self.caches = self.current_caches()  # held: a graph replays into these very buffers
@@ -243,7 +244,7 @@ class Resident:
         with phase("verify"):
             past = st["t_end"].max()
             logits, aux, _ = ft.verify_rows(ids, (st["t_end"] - st["t_start"])[:, None] + depth_r, past,
-                                            st["t_start"], st["t_end"], anc)
+                                            st["t_start"], st["t_end"], anc, self.t_cols)
         with phase("accept"):
             n_acc, path, committed, n_emit, hit = f.accept(logits, ids, prow, row_valid, anc, st["eos"], self.T)
         with phase("commit"):
@@ -346,7 +347,7 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     if proposer.cache.size <= needed:
         proposer.cache = proposer.fast.grow(proposer.cache, needed)
     store = proposer.fast.resident
-    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round)
+    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round, fast.W)
     res = store.get(key)
     if res is not None:
         res.prop = proposer  # a new proposer over the same buffers: the graph stays valid
