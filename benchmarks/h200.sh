@@ -23,7 +23,7 @@
 # -> residenttests (test_resident.py and test_fast.py, graphs included) -> write (bench_write.py: shard
 # write throughput on this host's disk) -> engine (bench_engine.py: speedup ÷ τ with τ fixed by an oracle on an
 # 8B-shaped random-weight target and an H 4096 drafter, batch 1/4/16, chain and tree, host and resident loops;
-# ENGINE_BUDGET seconds of measuring, ~200 s in all) -> consistency (tests/test_consistency.py -m gpu: every
+# ENGINE_BUDGET seconds of measuring, ~200 s in all; engine2: another configuration, ENGINE2_ARGS) -> consistency (tests/test_consistency.py -m gpu: every
 # round's accepted count equals the drafter's teacher-forced prediction, graphs and resident paths, float32) -> verifyattn
 # (bench_verify_attention.py: one layer's attention at N verify rows against one row, per kernel, 8B shapes). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
@@ -119,6 +119,9 @@ for s in $STEPS; do case $s in
                --out "$OUT/profile_rounds.json" ;;
   engine)    step engine "${ENGINE_LIMIT:-240}" python3 benchmarks/bench_engine.py --budget_s "${ENGINE_BUDGET:-170}" \
                ${ENGINE_ARGS:-} --out "$OUT/bench_engine.json" ;;
+  engine2)   # a second configuration in the same call (e.g. ENGINE2_ARGS="--fast compile --draft_steps 3")
+             step engine2 "${ENGINE2_LIMIT:-240}" python3 benchmarks/bench_engine.py --budget_s "${ENGINE2_BUDGET:-170}" \
+               ${ENGINE2_ARGS:-} --out "$OUT/bench_engine2.json" ;;
   verifyattn) step verifyattn "${VA_LIMIT:-150}" python3 benchmarks/bench_verify_attention.py --out "$OUT/bench_verify_attention.json" ;;
   consistency) step consistency "${CONSISTENCY_LIMIT:-180}" python3 -m pytest -q -m gpu tests/test_consistency.py \
                -p no:cacheprovider ;;
