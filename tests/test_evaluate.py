@@ -159,7 +159,7 @@ def test_evaluate_resident_rounds_measure_the_same_acceptance(recipe, tmp_path, 
         shutil.copytree(recipe.run_dir, r.run_dir)
         pipeline.run_stage("evaluate", r)
         runs[resident] = read_json(r.run_dir + "/eval/results.json")
-    assert "greedy EAGLE-3 rounds on the device" in capsys.readouterr().err
+    assert "EAGLE-3 rounds on the device" in capsys.readouterr().err
     keys = ("rounds", "emitted", "accepted_per_round", "drafted_per_round", "drafted", "reached", "accepted",
             "new_tokens", "lossless")
     for a, b in zip(runs[False]["prompts"], runs[True]["prompts"]):
@@ -287,10 +287,10 @@ def test_evaluate_records_capture_fallbacks(recipe, monkeypatch):
     monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": mode)
     test_fast.fast_mode("emulated", monkeypatch)
 
-    def capture(fn, args=(), state=None):
+    def capture(fn, args=(), state=None, generators=()):
         if getattr(fn, "__name__", "") == "verify_rows":
             raise RuntimeError("this call cannot be captured")
-        return test_fast.emulated_capture(fn, args, state)
+        return test_fast.emulated_capture(fn, args, state, generators)
     monkeypatch.setattr("draftsmith.speculate.cache.capture", capture)
     recipe.evaluate.fast, recipe.evaluate.methods, recipe.evaluate.batch_sizes = "graphs", ["eagle3_chain"], [1]
     m = pipeline.run_stage("evaluate", recipe)

@@ -53,7 +53,7 @@ CAPTURING = [False]
 a test's function can fail only there, as one that cannot be captured does on a GPU."""
 
 
-def emulated_capture(fn, args=(), state=None):
+def emulated_capture(fn, args=(), state=None, generators=()):
     """speculate.cache.capture without a GPU: the warm-up call for real (its advance of `state`
     undone), then the capture, which a CUDA graph records without running: here it runs, and is
     undone in `state` too. A captured function thus runs once more than under CUDA graphs, so one

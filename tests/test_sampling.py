@@ -105,11 +105,43 @@ def test_chi_square_catches_a_biased_verifier():
     assert chi_square_p(counts, EXPECTED_TWO) < 1e-6
 
 
+def _chain_rounds(n: int, seed: int, accept_all: bool = False, cut: bool = False) -> dict:
+    """Law of the first two tokens emitted by resident.accept_sampled_chain over n chains at once: drafts
+    x1 ~ Q0, x2 ~ Q1, the target's laws P0 at the root and P2[x1] below x1 (as _rows). `cut`: the second
+    draft is past the depth limit (an invalid row). A round emitting one token is followed by a plain sample."""
+    from draftsmith.speculate.resident import accept_sampled_chain
+
+    g = torch.Generator().manual_seed(seed)
+    x1, x2 = torch.multinomial(Q0, n, replacement=True, generator=g), torch.multinomial(Q1, n, replacement=True, generator=g)
+    ids = torch.stack([torch.zeros(n, dtype=torch.long), x1, x2], 1)
+    logits = torch.stack([P0.log().expand(n, V), P2[x1].log(), torch.zeros(n, V)], 1)
+    q_all = torch.stack([Q0, Q1])[None].expand(n, 2, V)
+    valid = torch.ones(n, 3, dtype=torch.bool)
+    valid[:, 2] = not cut
+    u = torch.zeros(n, 3) if accept_all else torch.rand(n, 3, generator=g)
+    e = torch.empty(n, V).exponential_(generator=g)
+    n_acc, path, committed, n_emit, hit = accept_sampled_chain(logits, ids, valid, q_all, u, e, torch.tensor([-1]), 1.0, 3)
+    assert not hit.any() and (n_emit == n_acc + 1).all() and (n_acc <= (1 if cut else 2)).all()
+    second = torch.where(n_emit >= 2, committed[:, 1], torch.multinomial(P2[committed[:, 0]], 1, generator=g)[:, 0])
+    counts: dict = {}
+    for a, b in zip(committed[:, 0].tolist(), second.tolist()):
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_resident_chain_acceptance_preserves_the_target_distribution(cut):
+    """The resident rounds' sampled chain acceptance (tensor ops, every chain at once) keeps the target's law,
+    also with the chain cut by the depth limit; accepting every draft instead is caught."""
+    assert chi_square_p(_chain_rounds(20000, seed=5, cut=cut), EXPECTED_TWO) > 1e-3
+    assert chi_square_p(_chain_rounds(20000, seed=5, accept_all=True, cut=cut), EXPECTED_TWO) < 1e-6
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def tiny_pair(device: str = "cpu"):
+    """A tiny 8-token Llama target with broad next-token laws, and a random EAGLE-3 drafter for it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -118,12 +150,17 @@ def tiny():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
-    target = Target(model, None)
+    target = Target(model.to(device), None)
     target._install_final_hook()
     cfg = drafter_config(target.config, DraftConfig(), 8, target.aux_layer_ids)
-    drafter = init_drafter(cfg, target.input_embeddings(), torch.zeros(8, dtype=torch.long),
-                           torch.ones(8, dtype=torch.bool), 0, std=0.3).eval()
-    return target, drafter
+    drafter = init_drafter(cfg, target.input_embeddings(), torch.zeros(8, dtype=torch.long, device=device),
+                           torch.ones(8, dtype=torch.bool, device=device), 0, std=0.3).eval()
+    return target, drafter.to(device)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_pair()
 
 
 PROMPT = [1, 3, 5, 3, 5, 3]
@@ -132,7 +169,7 @@ PROMPT = [1, 3, 5, 3, 5, 3]
 @torch.inference_mode()
 def exact_three(target) -> dict:
     """P(x1, x2, x3 | PROMPT) from one forward over all 64 two-token continuations."""
-    seqs = torch.tensor([PROMPT + [a, b] for a in range(8) for b in range(8)])
+    seqs = torch.tensor([PROMPT + [a, b] for a in range(8) for b in range(8)], device=target.device)
     p = torch.softmax(target.forward(seqs).logits.double(), -1)
     P = len(PROMPT)
     return {(a, b, c): float(p[a * 8 + b, P - 1, a] * p[a * 8 + b, P, b] * p[a * 8 + b, P + 1, c])
@@ -156,4 +193,32 @@ def test_sampled_decoding_matches_target_distribution(tiny, method):
         for n in new:
             counts[tuple(n)] = counts.get(tuple(n), 0) + 1
     assert sum(s.accepted_per_round.count(0) < len(s.accepted_per_round) for s in stats) >= 5  # drafts were accepted
+    assert chi_square_p(counts, exact_three(target)) > 1e-3
+
+
+@pytest.mark.parametrize("mode", ["static", "emulated", pytest.param("graphs", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_resident_sampled_chain_matches_target_distribution(tiny, mode, monkeypatch):
+    """Sampled EAGLE-3 chains on the device (resident rounds over static caches, eager or as an emulated
+    CUDA graph; draws from the round's own generator seeded from the proposer's) keep the target's joint
+    law of 3 tokens."""
+    import test_fast
+    from draftsmith.speculate.eagle3 import FastDraft
+    from draftsmith.speculate.fast import FastTarget
+
+    target, drafter = tiny_pair("cuda") if mode == "graphs" else tiny  # graphs: real CUDA graphs (-m gpu)
+    mode = test_fast.fast_mode(mode, monkeypatch)
+    ft, fd = FastTarget(target, mode), FastDraft(drafter, graphs=mode != "static")
+    g = torch.Generator(device=target.device).manual_seed(12)
+    counts: dict = {}
+    accepted = 0
+    for _ in range(8):
+        prop = Eagle3Proposer(drafter, topk=1, budget=2, temperature=1.0, generator=g, fast=fd)
+        new, stats = generate(target, prop, [PROMPT] * 250, 3, depth=2, temperature=1.0, generator=g, fast=ft,
+                              resident=True)
+        assert all(s.target_s is None for s in stats) and prop.generator is g  # the resident path ran
+        accepted += sum(sum(s.accepted_per_round) for s in stats)
+        for n in new:
+            counts[tuple(n)] = counts.get(tuple(n), 0) + 1
+    assert accepted >= 100  # drafts were accepted
     assert chi_square_p(counts, exact_three(target)) > 1e-3

@@ -43,11 +43,14 @@ CAPTURES = [0]
 """CUDA graphs captured in this process (capture's calls): evaluate measures a run again when it moved."""
 
 
-def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dict[str, torch.Tensor]] = None):
+def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dict[str, torch.Tensor]] = None,
+            generators: Sequence[torch.Generator] = ()):
     """Run fn(*args) once for real on a side stream (lazy allocations, kernel selection,
     compilation), then capture one call into a CUDA graph. `state`: tensors fn advances in place
     (a decoding step's counters); the warm-up's changes to them are undone, also when it fails.
-    Returns (graph, the captured call's outputs); replay the graph to compute."""
+    `generators`: CUDA generators fn draws from besides the default one (registered with the graph,
+    so that every replay draws afresh). Returns (graph, the captured call's outputs); replay the
+    graph to compute."""
     CAPTURES[0] += 1
     saved = {k: v.clone() for k, v in (state or {}).items()}
     side = torch.cuda.Stream()
@@ -60,6 +63,8 @@ def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dic
         for k, v in saved.items():
             state[k].copy_(v)
     graph = torch.cuda.CUDAGraph()
+    for g in generators:
+        graph.register_generator_state(g)
     with torch.cuda.graph(graph):
         out = fn(*args)
     return graph, out

@@ -131,9 +131,9 @@ class Eagle3Proposer:
         def children(g: torch.Tensor, logits: Optional[torch.Tensor] = None):
             """top-k (or one sampled) draft ids per row, their log-probs, their q over the target vocab."""
             logits = (d.logits(g) if logits is None else logits).float()
-            if sampled:
+            if sampled:  # one draw from q by the exponential race (argmax q / E, E ~ Exp(1)): no host sync, graph-safe
                 q = torch.softmax(logits / self.temperature, -1)
-                idx = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=self.generator).reshape(q.shape[:-1] + (1,))
+                idx = (q / torch.empty_like(q).exponential_(generator=self.generator)).argmax(-1, keepdim=True)
                 return idx, torch.zeros(idx.shape, device=dev), self._to_target_probs(q)
             logp, idx = torch.log_softmax(logits, -1).topk(K, dim=-1)
             return idx, logp, None

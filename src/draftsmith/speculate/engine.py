@@ -68,10 +68,11 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide).
     `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
     ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`).
-    With `resident`, greedy EAGLE-3 on the fast path runs its rounds on the device (resident.py;
+    With `resident`, greedy EAGLE-3 and sampled EAGLE-3 chains on the fast path run their rounds on the device (resident.py;
     `compile_round` compiles the round's pure parts there); this host loop runs everything else."""
     if resident and eligible(fast, proposer, temperature):
-        return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast, compile_round)
+        return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast, compile_round,
+                                 temperature, generator)
     B, dev = len(prompts), target.device
     runner = fast if fast is not None else EagerVerifier(target)
     n_rows = 1 + (getattr(proposer, "max_nodes", depth) if proposer is not None else 0)

@@ -38,16 +38,19 @@ import torch
 from .cache import capture, capture_failed, copy_columns, h2d
 from .eagle3 import Eagle3Proposer
 from .fast import FastTarget
-from .tree import SpecStats, device_tree_mask, left_pad
+from .tree import SpecStats, device_tree_mask, left_pad, pick
 from .verify import rows_of
 
 phase = torch.profiler.record_function  # labels a round's phases for benchmarks/count_round_ops.py (no-op unprofiled)
 
 
 def eligible(fast, proposer, temperature: float) -> bool:
-    """The resident path runs greedy EAGLE-3 proposals on a FastTarget with a FastDraft."""
-    return (fast is not None and temperature <= 0 and isinstance(proposer, Eagle3Proposer)
-            and proposer.fast is not None)
+    """The resident path runs EAGLE-3 proposals on a FastTarget with a FastDraft: greedy ones (chain or
+    tree), and sampled chains (temperature > 0, drafts drawn at the proposer's temperature, top-k 1). A
+    sampled tree keeps the host loop (tree.accept_sampled tries siblings one after another)."""
+    if fast is None or not isinstance(proposer, Eagle3Proposer) or proposer.fast is None:
+        return False
+    return temperature <= 0 or (proposer.topk == 1 and proposer.temperature > 0)
 
 
 # ----------------------------------------------------------------------------- the round's parts
@@ -116,6 +119,37 @@ def accept(logits, ids, prow, row_valid, anc, eos, T: int):
     return n_acc, path, committed, n_emit, hit
 
 
+def accept_sampled_chain(logits, ids, row_valid, q_all, u, e, eos, temperature: float, T: int):
+    """Speculative sampling down a chain (Leviathan et al. 2023), as tree.accept_sampled does on the
+    host: draft row i (token x_i drawn from q_i, the drafter's law over the target vocab) is accepted
+    when u_i q_i(x_i) < p_{i-1}(x_i) and every draft before it was, p_{i-1} = softmax(logits / temperature)
+    at its parent row; the token after the last accepted row is drawn from norm(max(p - q, 0)) when the
+    next draft was rejected, else from p (every draft accepted, or the chain cut by the depth limit), so
+    every emitted token has the target's law. The draws come in: u [B, N] uniform, e [B, V] Exp(1)
+    (argmax w / e draws w / sum w: the exponential race). Returns what `accept` returns."""
+    B, N = ids.shape
+    M = min(q_all.shape[1], N - 1)                                               # draft rows 1..M
+    p = torch.softmax(logits.float() / temperature, -1)                          # [B, N, V]
+    x = ids[:, 1:1 + M, None]
+    ok = row_valid[:, 1:1 + M] & (u[:, 1:1 + M] * q_all[:, :M].gather(2, x)[..., 0] < p[:, :M].gather(2, x)[..., 0])
+    n_acc = ok.long().cumprod(1).sum(1)                                          # [B]
+    V = p.shape[-1]
+    p_r = p.gather(1, n_acc[:, None, None].expand(B, 1, V))[:, 0]                # the target's law after the path
+    q_r = q_all.gather(1, n_acc.clamp(max=M - 1)[:, None, None].expand(B, 1, V))[:, 0]
+    rejected = (n_acc < M) & row_valid.gather(1, (n_acc + 1).clamp(max=N - 1)[:, None])[:, 0]
+    res = torch.where(rejected[:, None], (p_r - q_r).clamp_min(0), p_r)
+    res = torch.where(res.sum(-1, keepdim=True) > 0, res, p_r)                    # empty residual: p was all on x
+    bonus = (res / e).argmax(-1)
+    steps = torch.arange(T, device=ids.device)
+    in_path = steps[None] <= n_acc[:, None]
+    path = torch.where(in_path, steps[None], 0)                                  # a chain's path: rows 0..n_acc
+    committed = torch.where(steps[None] < n_acc[:, None], ids.gather(1, (path + 1).clamp(max=N - 1)), bonus[:, None])
+    is_eos = (committed[:, :, None] == eos).any(-1) & in_path
+    hit = is_eos.any(1)
+    n_emit = torch.where(hit, is_eos.int().argmax(1) + 1, n_acc + 1)
+    return n_acc, path, committed, n_emit, hit
+
+
 def commit(st: dict, active, n_acc, path, committed, n_emit, hit, row_valid, depth, past, spare):
     """Emitted tokens into the output buffer, per-round counts into the stats buffers, the committed
     length and last token, `done` (active sequences only; scratch columns take the rest). Returns the
@@ -176,7 +210,7 @@ def feed_finish(st: dict, g, n_feed) -> None:
     st["d_rows"] += n_feed
 
 
-PARTS = (choose, ancestry, accept, commit, feed_inputs, feed_finish)
+PARTS = (choose, ancestry, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
 
 
 def round_parts(compiled: bool) -> SimpleNamespace:
@@ -193,8 +227,11 @@ class Resident:
     (kept on the FastDraft, so the captured graph is replayed by every later prompt of that shape)."""
 
     def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int],
-                 compile_round: bool = False):
+                 compile_round: bool = False, temperature: float = 0.0):
         d, dev = prop.drafter, ft.device
+        self.temperature = temperature  # > 0: a sampled chain (accept_sampled_chain), drafts at prop.temperature
+        # a sampled round draws from this generator (the one its CUDA graph holds), seeded per run from the proposer's
+        self.gen = torch.Generator(device=dev) if temperature > 0 else None
         self.ft, self.prop, self.B, self.D, self.K = ft, prop, B, depth, prop.topk
         self.n_cand = self.K + (depth - 1) * self.K * self.K
         self.M = min(prop.budget, self.n_cand)        # nodes verified per sequence (padded)
@@ -234,8 +271,9 @@ class Resident:
         active = ~st["done"]
         with phase("expand"):  # drafting rows go after the drafter's committed columns; dropped after the round
             d_past = st["d_end"].max()
-            toks, scores, parents, _ = prop.expand(self.K, self.D, False, prop.graph_step(st["d_start"], st["d_end"], d_past),
-                                                    st["g_last"], st["d_rows"])
+            toks, scores, parents, q_all = prop.expand(self.K, self.D, self.temperature > 0,
+                                                        prop.graph_step(st["d_start"], st["d_end"], d_past),
+                                                        st["g_last"], st["d_rows"])
         with phase("select"):
             ids, depth_r, prow, row_valid = f.choose(scores, parents, toks, st["last"], st["n_gen"], active,
                                                      self.depth_c, st["max_new"], self.D, self.M, self.N)
@@ -246,7 +284,14 @@ class Resident:
             logits, aux, _ = ft.verify_rows(ids, (st["t_end"] - st["t_start"])[:, None] + depth_r, past,
                                             st["t_start"], st["t_end"], anc, self.t_cols)
         with phase("accept"):
-            n_acc, path, committed, n_emit, hit = f.accept(logits, ids, prow, row_valid, anc, st["eos"], self.T)
+            if self.temperature > 0:  # the draws: from self.gen, which is prop.generator during a run (run)
+                g = prop.generator
+                u = torch.rand(ids.shape, generator=g, device=ids.device)
+                e = torch.empty(logits.shape[0], logits.shape[-1], device=ids.device).exponential_(generator=g)
+                n_acc, path, committed, n_emit, hit = f.accept_sampled_chain(logits, ids, row_valid, q_all, u, e, st["eos"],
+                                                                             self.temperature, self.T)
+            else:
+                n_acc, path, committed, n_emit, hit = f.accept(logits, ids, prow, row_valid, anc, st["eos"], self.T)
         with phase("commit"):
             src, dst, n_feed = f.commit(st, active, n_acc, path, committed, n_emit, hit, row_valid, depth_r, past,
                                         self.spare)
@@ -270,7 +315,8 @@ class Resident:
             return self.round
         if self.graph is None:
             try:  # the warm-up round's advance of the state is undone (its cache writes are redone)
-                self.graph, _ = capture(self.round, state=self.state)
+                gens = (self.gen,) if self.gen is not None and self.gen.device.type == "cuda" else ()
+                self.graph, _ = capture(self.round, state=self.state, generators=gens)
             except Exception as e:  # cannot be captured: eager rounds from now on (a real error recurs there)
                 what = f"the resident round (batch {self.B}, topk {self.K}, budget {self.M}, depth {self.D})"
                 capture_failed(what, e, "its rounds run eagerly")
@@ -331,29 +377,40 @@ class Resident:
 
 
 def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, depth: int,
-                      eos_ids: Sequence[int], fast: FastTarget, compile_round: bool = False):
-    """`engine.generate` for greedy EAGLE-3 on the fast path, every round on the device. Same
-    returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one graph does both).
-    `compile_round`: the round's pure parts compiled by inductor (round_parts); the same outputs."""
+                      eos_ids: Sequence[int], fast: FastTarget, compile_round: bool = False, temperature: float = 0.0,
+                      generator=None):
+    """`engine.generate` for EAGLE-3 on the fast path (greedy, or a sampled chain: eligible), every round
+    on the device. Same returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one
+    graph does both). `compile_round`: the round's pure parts compiled by inductor (round_parts); the same
+    outputs. Sampled: the prefill's token is drawn on the host as engine.generate does (`generator`), the
+    rounds draw from the proposer's generator."""
     B, dev = len(prompts), target.device
     t_start = time.perf_counter()
     ids, pad, pos = left_pad(prompts, dev)
     P = ids.shape[1]
     out = fast.prefill(ids, pos, pad, max_new_tokens, 1 + proposer.max_nodes)
-    first, pad_h = out.logits[:, -1].argmax(-1).tolist(), pad.tolist()
+    first = [pick(out.logits[b, -1], temperature, generator) for b in range(B)]
+    pad_h = pad.tolist()
     tokens = [list(p) + [f] for p, f in zip(prompts, first)]
     proposer.start(tokens, [rows_of(out, b, torch.arange(pad_h[b], P, device=dev)) for b in range(B)])
     needed = P + max_new_tokens + depth * proposer.topk + depth + 2
     if proposer.cache.size <= needed:
         proposer.cache = proposer.fast.grow(proposer.cache, needed)
     store = proposer.fast.resident
-    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round, fast.W)
+    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round, fast.W, temperature)
     res = store.get(key)
     if res is not None:
         res.prop = proposer  # a new proposer over the same buffers: the graph stays valid
     if res is None or not res.same_caches():
-        res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids, compile_round)
-    new, per = res.run(first, pad_h, P)
+        res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids, compile_round, temperature)
+    own = proposer.generator
+    if res.gen is not None:  # this run draws from the round's own generator, seeded from the proposer's
+        res.gen.manual_seed(int(torch.randint(1 << 62, (1,), generator=own, device=own.device if own is not None else "cpu")))
+        proposer.generator = res.gen
+    try:
+        new, per = res.run(first, pad_h, P)
+    finally:
+        proposer.generator = own
     wall = time.perf_counter() - t_start
     stats = []
     for n, s in zip(new, per):
