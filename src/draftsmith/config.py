@@ -330,13 +330,12 @@ class EvaluateConfig:
     CUDA graphs; compile = graphs around a torch.compile'd target forward. auto = graphs on a GPU,
     off on a CPU."""
     resident: bool = True
-    """true (default): greedy EAGLE-3 (chain or tree) and sampled EAGLE-3 chains on a fast path
-    (static/graphs/compile; `fast: auto` on a GPU) run each round on the device: drafting, tree
-    selection, verification, acceptance and the cache updates as tensor ops (one CUDA graph per round
-    under graphs), the host reading one flag per round. Sampled trees, eager decoding and other
-    proposers take the host loop (docs/fast-paths.md says why). false: the host loop for everything,
-    which reads drafts and the target's argmax back every round. Greedy: the same outputs and
-    statistics either way; sampled: the same law (tests)."""
+    """true (default): EAGLE-3 (chain or tree, greedy or sampled) on a fast path (static/graphs/compile;
+    `fast: auto` on a GPU) runs each round on the device: drafting, tree selection, verification,
+    acceptance and the cache updates as tensor ops (one CUDA graph per round under graphs), the host
+    reading one flag per round. Eager decoding and other proposers take the host loop. false: the host
+    loop for everything, which reads drafts and the target's tokens back every round. Greedy: the same
+    outputs and statistics either way; sampled: the same law (tests; docs/fast-paths.md)."""
     compile_round: Literal["auto", "on", "off"] = "auto"
     """Resident rounds only: torch.compile (inductor, fullgraph, static shapes) the round's pure tensor
     parts (tree selection and masks, acceptance, the bookkeeping of the commit and the drafter's feed),

@@ -123,9 +123,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     target, drafter = load_models(recipe, drafter_dir)
     runners = DecodeRunners(target, drafter, cfg.fast)
     n_fallbacks = len(CAPTURE_FALLBACKS)  # this stage's CUDA-graph captures that fall back to eager, at the end
-    rounds = ("; EAGLE-3 rounds on the device" + ("" if cfg.temperature <= 0 else " (sampled: chains; trees on the host)")
-              if cfg.resident and runners.mode != "off"
-              else "")
+    rounds = "; EAGLE-3 rounds on the device" if cfg.resident and runners.mode != "off" else ""
     log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
     eos = eos_token_ids(target)
     todo = []  # (key, bench, prompt, turn index)

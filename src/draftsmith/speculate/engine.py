@@ -6,7 +6,7 @@
 
 The layers of speculate/ import one way, top first (tests/test_layering.py checks it):
 
-    engine.py     the loop: `generate` on the host, or on the device (resident.py) for greedy EAGLE-3
+    engine.py     the loop: `generate` on the host, or on the device (resident.py) for EAGLE-3 (greedy or sampled)
     resident.py   the same round as tensor ops, one CUDA graph per round
     eagle3.py     proposers: EAGLE-3 chains and trees (+ FastDraft, its static cache and graphed steps);
     ngram.py,     prompt lookup; an independent draft model; the Proposer protocols and PerSequence
@@ -68,7 +68,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     the new tokens (EOS included) and its SpecStats (target_s/draft_s/wall_s are batch-wide).
     `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
     ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`).
-    With `resident`, greedy EAGLE-3 and sampled EAGLE-3 chains on the fast path run their rounds on the device (resident.py;
+    With `resident`, EAGLE-3 on the fast path runs its rounds on the device (resident.py;
     `compile_round` compiles the round's pure parts there); this host loop runs everything else."""
     if resident and eligible(fast, proposer, temperature):
         return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast, compile_round,

@@ -1,4 +1,4 @@
-"""Greedy EAGLE-3 rounds that stay on the device: one CUDA graph per round, no host work between.
+"""EAGLE-3 rounds that stay on the device: one CUDA graph per round, no host work between.
 
 The engine's host loop (`engine.generate`) reads every round's drafts and the target's argmax back
 to the host, builds the tree and the verify inputs there and walks the acceptance there: two
@@ -11,20 +11,25 @@ syncs and a few milliseconds of Python per round, during which the GPU idles (pr
                the set is closed under ancestors), renumbered in creation order
     verify     [root, *nodes, padding] through the target over its static cache, ancestry masks
     accept     greedy: a node is accepted when its token is the target's argmax at its parent
-               and its parent is accepted; the committed tokens are the argmax along that path
+               and its parent is accepted; the committed tokens are the argmax along that path.
+               Sampled (temperature > 0): the same with one draw per row instead of the argmax
+               (sample_rows: the tree's top-k drafts are fixed nodes), or, for a chain whose
+               drafts were drawn from the drafter's law q, speculative sampling with the residual
+               (accept_sampled_chain); draws from the round's own generator, the target's law kept
     commit     emitted tokens (cut at EOS) into an output buffer; per-round counts into stats
                buffers; the target's cache rows of the root and path moved behind each
                sequence's committed rows; the drafter fed those rows (as Eagle3Proposer._feed)
 
-Each step but expand and verify is a pure tensor function below (choose, ancestry, accept, commit,
-feed_inputs, feed_finish), labelled with its phase for torch.profiler (benchmarks/count_round_ops.py
+Each step but expand and verify is a pure tensor function below (choose, ancestry, sample_rows, accept,
+accept_sampled_chain, commit, feed_inputs, feed_finish), labelled with its phase for torch.profiler (benchmarks/count_round_ops.py
 counts the ops of each); with `compile_round` inductor compiles each of them, so their small
 kernels (167 in a 12-layer reference-shaped chain round on a CPU) become a few fused ones (24).
 
 Sequences that finished only ride along (every update is masked). With CUDA graphs the host
 replays one graph per round and reads one flag per round, a round late, so the GPU always has
 the next round queued; the round after the last is a masked no-op. The host loop stays the path
-for sampling, eager decoding and proposers other than EAGLE-3; outputs are the same (tests).
+for eager decoding and proposers other than EAGLE-3; greedy outputs are the same, sampled ones have
+the same law (tests).
 """
 from __future__ import annotations
 
@@ -45,12 +50,10 @@ phase = torch.profiler.record_function  # labels a round's phases for benchmarks
 
 
 def eligible(fast, proposer, temperature: float) -> bool:
-    """The resident path runs EAGLE-3 proposals on a FastTarget with a FastDraft: greedy ones (chain or
-    tree), and sampled chains (temperature > 0, drafts drawn at the proposer's temperature, top-k 1). A
-    sampled tree keeps the host loop (tree.accept_sampled tries siblings one after another)."""
-    if fast is None or not isinstance(proposer, Eagle3Proposer) or proposer.fast is None:
-        return False
-    return temperature <= 0 or (proposer.topk == 1 and proposer.temperature > 0)
+    """The resident path runs EAGLE-3 proposals on a FastTarget with a FastDraft, greedy or sampled
+    (chains whose drafts are drawn from q: accept_sampled_chain; trees of top-k drafts: sample_rows and
+    accept), as the host loop does with tree.accept_sampled."""
+    return fast is not None and isinstance(proposer, Eagle3Proposer) and proposer.fast is not None
 
 
 # ----------------------------------------------------------------------------- the round's parts
@@ -99,12 +102,23 @@ def ancestry(prow, row_valid, D: int):
     return anc & (row_valid[:, :, None] | eye)
 
 
-def accept(logits, ids, prow, row_valid, anc, eos, T: int):
-    """Greedy acceptance: a row is accepted when it and every ancestor below the root hold the target's
-    argmax at their parent. Returns (accepted count, path rows [B, T] (0 past the path), the committed
-    tokens after them [B, T], tokens emitted (cut after the first EOS), EOS hit)."""
+def sample_rows(logits, e, temperature: float):
+    """One draw per row from softmax(logits / temperature): argmax p / e with e [B, N, V] Exp(1) (the
+    exponential race). With `accept`, this verifies a sampled tree of top-k drafts (see accept)."""
+    return (torch.softmax(logits.float() / temperature, -1) / e).argmax(-1)
+
+
+def accept(picked, ids, prow, row_valid, anc, eos, T: int):
+    """Acceptance against the target's token at every row, `picked` [B, N]: its argmax (greedy), or one
+    draw per row (sample_rows). A row is accepted when it and every ancestor below the root hold the
+    picked token of their parent. With draws this is speculative sampling of a tree whose nodes are
+    fixed (top-k children, distinct tokens: q a point mass), as tree.accept_sampled does by trying the
+    children one after another: a child x is accepted with p(x), the residual after rejecting the
+    children is p without them -- the same law as one draw y ~ p, moving to the child that holds y, else
+    emitting y. Returns (accepted count, path rows [B, T] (0 past the path), the committed tokens after
+    them [B, T], tokens emitted (cut after the first EOS), EOS hit)."""
     B, N = ids.shape
-    greedy = logits.argmax(-1)                                                   # [B, N]
+    greedy = picked                                                              # [B, N]
     rows = torch.arange(N, device=ids.device)
     good = (row_valid & (ids == greedy.gather(1, prow))) | (rows == 0)
     acc = ~(anc & ~good[:, None, :]).any(-1)
@@ -210,7 +224,7 @@ def feed_finish(st: dict, g, n_feed) -> None:
     st["d_rows"] += n_feed
 
 
-PARTS = (choose, ancestry, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
+PARTS = (choose, ancestry, sample_rows, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
 
 
 def round_parts(compiled: bool) -> SimpleNamespace:
@@ -229,7 +243,8 @@ class Resident:
     def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int],
                  compile_round: bool = False, temperature: float = 0.0):
         d, dev = prop.drafter, ft.device
-        self.temperature = temperature  # > 0: a sampled chain (accept_sampled_chain), drafts at prop.temperature
+        self.temperature = temperature  # > 0: sampled (accept_sampled_chain for drafts drawn from q, else sample_rows)
+        self.sampled_drafts = temperature > 0 and prop.topk == 1 and prop.temperature > 0  # as Eagle3Proposer.propose
         # a sampled round draws from this generator (the one its CUDA graph holds), seeded per run from the proposer's
         self.gen = torch.Generator(device=dev) if temperature > 0 else None
         self.ft, self.prop, self.B, self.D, self.K = ft, prop, B, depth, prop.topk
@@ -271,7 +286,7 @@ class Resident:
         active = ~st["done"]
         with phase("expand"):  # drafting rows go after the drafter's committed columns; dropped after the round
             d_past = st["d_end"].max()
-            toks, scores, parents, q_all = prop.expand(self.K, self.D, self.temperature > 0,
+            toks, scores, parents, q_all = prop.expand(self.K, self.D, self.sampled_drafts,
                                                         prop.graph_step(st["d_start"], st["d_end"], d_past),
                                                         st["g_last"], st["d_rows"])
         with phase("select"):
@@ -284,14 +299,16 @@ class Resident:
             logits, aux, _ = ft.verify_rows(ids, (st["t_end"] - st["t_start"])[:, None] + depth_r, past,
                                             st["t_start"], st["t_end"], anc, self.t_cols)
         with phase("accept"):
-            if self.temperature > 0:  # the draws: from self.gen, which is prop.generator during a run (run)
-                g = prop.generator
+            g = prop.generator  # sampled: self.gen, which is prop.generator during a run (resident_generate)
+            if self.sampled_drafts:  # drafts drawn from q: speculative sampling down the chain
                 u = torch.rand(ids.shape, generator=g, device=ids.device)
                 e = torch.empty(logits.shape[0], logits.shape[-1], device=ids.device).exponential_(generator=g)
                 n_acc, path, committed, n_emit, hit = f.accept_sampled_chain(logits, ids, row_valid, q_all, u, e, st["eos"],
                                                                              self.temperature, self.T)
-            else:
-                n_acc, path, committed, n_emit, hit = f.accept(logits, ids, prow, row_valid, anc, st["eos"], self.T)
+            else:  # greedy, or fixed (top-k) drafts verified against one draw per row
+                picked = logits.argmax(-1) if self.temperature <= 0 else f.sample_rows(
+                    logits, torch.empty(logits.shape, device=ids.device).exponential_(generator=g), self.temperature)
+                n_acc, path, committed, n_emit, hit = f.accept(picked, ids, prow, row_valid, anc, st["eos"], self.T)
         with phase("commit"):
             src, dst, n_feed = f.commit(st, active, n_acc, path, committed, n_emit, hit, row_valid, depth_r, past,
                                         self.spare)
@@ -379,7 +396,7 @@ class Resident:
 def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, depth: int,
                       eos_ids: Sequence[int], fast: FastTarget, compile_round: bool = False, temperature: float = 0.0,
                       generator=None):
-    """`engine.generate` for EAGLE-3 on the fast path (greedy, or a sampled chain: eligible), every round
+    """`engine.generate` for EAGLE-3 on the fast path (greedy or sampled: eligible), every round
     on the device. Same returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one
     graph does both). `compile_round`: the round's pure parts compiled by inductor (round_parts); the same
     outputs. Sampled: the prefill's token is drawn on the host as engine.generate does (`generator`), the
@@ -397,7 +414,8 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     if proposer.cache.size <= needed:
         proposer.cache = proposer.fast.grow(proposer.cache, needed)
     store = proposer.fast.resident
-    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round, fast.W, temperature)
+    key = (B, proposer.topk, proposer.budget, depth, max_new_tokens, tuple(eos_ids), compile_round, fast.W, temperature,
+           proposer.temperature)  # temperatures are constants of the round's graph
     res = store.get(key)
     if res is not None:
         res.prop = proposer  # a new proposer over the same buffers: the graph stays valid
