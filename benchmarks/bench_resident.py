@@ -9,6 +9,8 @@ CUDA-graph capture that failed and ran eagerly instead (empty when every graph w
         --batch_sizes 1 2 --fast static                                            # CPU check
     python benchmarks/bench_resident.py RECIPE.yaml --compile_round --out x.json     # + resident rounds with
                                                  # evaluate.compile_round: on (a third loop, same process)
+    python benchmarks/bench_resident.py RECIPE.yaml --temperature 0.7 --out x.json   # sampled: both loops draw
+                                                 # (outputs differ from plain's by design: `identical` is left out)
 """
 from __future__ import annotations
 
@@ -46,12 +48,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--methods", nargs="+", default=["eagle3_chain", "eagle3_tree"])
     ap.add_argument("--fast", default=None, help="override evaluate.fast")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--compile_round", action="store_true",
                     help="also resident rounds with evaluate.compile_round: on (the round's pure parts compiled), same process")
     a = ap.parse_args(argv)
     n_fallbacks = len(CAPTURE_FALLBACKS)  # this run's captures that fell back to eager: CAPTURE_FALLBACKS[n_fallbacks:]
     recipe, _ = parse_recipe([a.recipe])
-    cfg = replace(recipe.evaluate, max_new_tokens=a.max_new_tokens, temperature=0.0)
+    cfg = replace(recipe.evaluate, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     if a.fast:
         cfg = replace(cfg, fast=a.fast)
     target, drafter = load_models(recipe, Path(recipe.run_dir) / "train" / "drafter")
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
         for c in cfgs.values():
             evaluate_batch(target, drafter, (prompts * B)[:B], [[]] * B, c, a.methods, eos, 0, runners=runners)
     result = {"recipe": a.recipe, "path": runners.mode, "max_new_tokens": a.max_new_tokens, "num_prompts": len(prompts),
+              "temperature": a.temperature,
               "device": torch.cuda.get_device_name() if target.device.type == "cuda" else "cpu",
               "torch": torch.__version__, "batches": {}}
     for B in a.batch_sizes:
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
                 "tau": round(r["emitted"] / max(r["rounds"], 1), 3) if B == 1 else None,
                 "speedup": round(acc["plain_s"] / r["spec_s"], 3),
                 "ms_per_round": round(1000 * r["spec_s"] / max(r["rounds"], 1), 3),
-                "identical": f"{r['identical']}/{r['sequences']}"}
+                "identical": f"{r['identical']}/{r['sequences']}" if a.temperature <= 0 else None}
             if B == 1:
                 x = row["methods"][m][n]
                 x["speedup_over_tau"] = round(x["speedup"] / x["tau"], 3)
