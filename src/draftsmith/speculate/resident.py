@@ -118,15 +118,14 @@ def accept(picked, ids, prow, row_valid, anc, eos, T: int):
     emitting y. Returns (accepted count, path rows [B, T] (0 past the path), the committed tokens after
     them [B, T], tokens emitted (cut after the first EOS), EOS hit)."""
     B, N = ids.shape
-    greedy = picked                                                              # [B, N]
     rows = torch.arange(N, device=ids.device)
-    good = (row_valid & (ids == greedy.gather(1, prow))) | (rows == 0)
+    good = (row_valid & (ids == picked.gather(1, prow))) | (rows == 0)
     acc = ~(anc & ~good[:, None, :]).any(-1)
     n_acc = acc.sum(1) - 1
     path = torch.where(acc, rows, N).sort(dim=1).values[:, :T]                  # [0, path rows..., N...]
     in_path = torch.arange(T, device=ids.device)[None] <= n_acc[:, None]
     path = torch.where(in_path, path, 0)
-    committed = greedy.gather(1, path)                                           # the token after each path row
+    committed = picked.gather(1, path)                                           # the token after each path row
     is_eos = (committed[:, :, None] == eos).any(-1) & in_path
     hit = is_eos.any(1)
     n_emit = torch.where(hit, is_eos.int().argmax(1) + 1, n_acc + 1)
@@ -400,13 +399,14 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     on the device. Same returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one
     graph does both). `compile_round`: the round's pure parts compiled by inductor (round_parts); the same
     outputs. Sampled: the prefill's token is drawn on the host as engine.generate does (`generator`), the
-    rounds draw from the proposer's generator."""
+    rounds from the round's own generator, seeded from the proposer's."""
     B, dev = len(prompts), target.device
     t_start = time.perf_counter()
     ids, pad, pos = left_pad(prompts, dev)
     P = ids.shape[1]
     out = fast.prefill(ids, pos, pad, max_new_tokens, 1 + proposer.max_nodes)
-    first = [pick(out.logits[b, -1], temperature, generator) for b in range(B)]
+    first = (out.logits[:, -1].argmax(-1).tolist() if temperature <= 0 else
+             [pick(out.logits[b, -1], temperature, generator) for b in range(B)])  # as engine.generate draws it
     pad_h = pad.tolist()
     tokens = [list(p) + [f] for p, f in zip(prompts, first)]
     proposer.start(tokens, [rows_of(out, b, torch.arange(pad_h[b], P, device=dev)) for b in range(B)])
