@@ -122,6 +122,11 @@ def _chain_rounds(n: int, seed: int, accept_all: bool = False, cut: bool = False
     e = torch.empty(n, V).exponential_(generator=g)
     n_acc, path, committed, n_emit, hit = accept_sampled_chain(logits, ids, valid, q_all, u, e, torch.tensor([-1]), 1.0, 3)
     assert not hit.any() and (n_emit == n_acc + 1).all() and (n_acc <= (1 if cut else 2)).all()
+    return _first_two(committed, n_emit, g)
+
+
+def _first_two(committed: torch.Tensor, n_emit: torch.Tensor, g: torch.Generator) -> dict:
+    """Counts of the first two tokens of rounds run at once; a round that emitted one is followed by a plain sample."""
     second = torch.where(n_emit >= 2, committed[:, 1], torch.multinomial(P2[committed[:, 0]], 1, generator=g)[:, 0])
     counts: dict = {}
     for a, b in zip(committed[:, 0].tolist(), second.tolist()):
@@ -142,11 +147,7 @@ def _tree_rounds(n: int, seed: int) -> dict:
     valid = torch.ones(n, len(tree) + 1, dtype=torch.bool)
     picked = sample_rows(logits, torch.empty(logits.shape).exponential_(generator=g), 1.0)
     n_acc, path, committed, n_emit, hit = accept(picked, ids, prow, valid, ancestry(prow, valid, 2), torch.tensor([-1]), 3)
-    second = torch.where(n_emit >= 2, committed[:, 1], torch.multinomial(P2[committed[:, 0]], 1, generator=g)[:, 0])
-    counts: dict = {}
-    for a, b in zip(committed[:, 0].tolist(), second.tolist()):
-        counts[(a, b)] = counts.get((a, b), 0) + 1
-    return counts
+    return _first_two(committed, n_emit, g)
 
 
 def test_resident_tree_acceptance_preserves_the_target_distribution():
