@@ -171,6 +171,23 @@ def test_evaluate_resident_rounds_measure_the_same_acceptance(recipe, tmp_path, 
             {m: (x["identical"], x["emitted"], x["rounds"]) for m, x in b["methods"].items()}
 
 
+@pytest.mark.parametrize("fast", ["off", "static"])
+def test_evaluate_sampled(recipe, fast, capsys):
+    """evaluate at temperature > 0, eager (the host loop) and on static caches (resident rounds for the chain
+    and the tree): the stage completes with finite tau for every method at batch 1 and 2, and no lossless
+    verdict (sampled outputs are draws; tests/test_sampling.py checks their law)."""
+    recipe.evaluate.temperature, recipe.evaluate.fast, recipe.evaluate.step_costs = 0.8, fast, False
+    m = pipeline.run_stage("evaluate", recipe)
+    met = m["metrics"]
+    assert m["status"] == "complete" and set(met["methods"]) == {"eagle3_chain", "eagle3_tree", "ngram"}
+    assert all(1.0 <= r["tau"] <= 4.0 for r in met["methods"].values()) and set(met["batches"]["2"]) == set(met["methods"])
+    res = read_json(recipe.run_dir + "/eval/results.json")
+    assert all("lossless" not in r or r["lossless"] is None for p in res["prompts"] for r in p["methods"].values())
+    assert ("EAGLE-3 rounds on the device" in capsys.readouterr().err) == (fast == "static")
+    resident = [p["methods"][k]["target_s"] is None for p in res["prompts"] for k in ("eagle3_chain", "eagle3_tree")]
+    assert all(resident) if fast == "static" else not any(resident)  # one graph per round: no target/draft split
+
+
 def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):
     recipe.evaluate.fast = "graphs"
     with pytest.raises(DraftsmithError, match="evaluate.fast 'graphs' needs a CUDA device"):
