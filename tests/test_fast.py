@@ -139,6 +139,25 @@ def test_fast_speculative_lossless(target, plains, fitted, mode, monkeypatch, me
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES)
+def test_sampled_decoding_on_the_fast_path_is_seeded(target, fitted, mode, monkeypatch):
+    """Plain decoding and resident rounds at temperature > 0 draw from generators of their own (the ones a
+    CUDA graph registers), seeded per run from the caller's: the same seed gives the same tokens, another
+    seed other ones."""
+    mode = fast_mode(mode, monkeypatch)
+    ft, fd = FastTarget(target, mode), FastDraft(fitted, graphs=mode != "static")
+
+    def seeded(s: int):
+        return torch.Generator(device=DEVICE).manual_seed(s)
+
+    plain = [ft.plain(PROMPTS[:2], 16, temperature=1.0, generator=seeded(s)) for s in (1, 1, 2)]
+    assert plain[0] == plain[1] != plain[2]
+    spec = [generate(target, Eagle3Proposer(fitted, topk=k, budget=b, temperature=1.0, generator=seeded(s), fast=fd),
+                     PROMPTS[:2], 16, depth=4, temperature=1.0, generator=seeded(s + 10), fast=ft, resident=True)[0]
+            for k, b in ((1, 4), (3, 8)) for s in (1, 1, 2)]
+    assert spec[0] == spec[1] != spec[2] and spec[3] == spec[4] != spec[5]
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
 def test_attention_width_follows_the_context(target, plains, fitted, mode, monkeypatch):
     """The forwards attend over the cache's first W columns (FastTarget.attend: a power of two >= 256
     that holds the generation), not all S allocated: with every column past W poisoned (NaN: a masked

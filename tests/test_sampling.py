@@ -136,8 +136,9 @@ def _first_two(committed: torch.Tensor, n_emit: torch.Tensor, g: torch.Generator
 
 def _tree_rounds(n: int, seed: int) -> dict:
     """As _chain_rounds for point_mass_tree's fixed nodes (top-3 siblings, two grandchildren under the first),
-    verified by resident.sample_rows and accept: one draw per row, the path follows the drawn tokens."""
-    from draftsmith.speculate.resident import accept, ancestry, sample_rows
+    verified by tree.sample_race and resident.accept: one draw per row, the path follows the drawn tokens."""
+    from draftsmith.speculate.resident import accept, ancestry
+    from draftsmith.speculate.tree import sample_race
 
     g = torch.Generator().manual_seed(seed)
     tree = point_mass_tree(g)
@@ -145,7 +146,7 @@ def _tree_rounds(n: int, seed: int) -> dict:
     logits = _rows(tree).log()[None].expand(n, -1, -1)
     prow = torch.tensor([[0] + [p + 1 if p >= 0 else 0 for p in tree.parents]]).expand(n, -1)
     valid = torch.ones(n, len(tree) + 1, dtype=torch.bool)
-    picked = sample_rows(logits, torch.empty(logits.shape).exponential_(generator=g), 1.0)
+    picked = sample_race(logits, 1.0, torch.empty(logits.shape).exponential_(generator=g))
     n_acc, path, committed, n_emit, hit = accept(picked, ids, prow, valid, ancestry(prow, valid, 2), torch.tensor([-1]), 3)
     return _first_two(committed, n_emit, g)
 

@@ -120,7 +120,7 @@ def run_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None, ru
     n, T = max_new_tokens or cfg.max_new_tokens, cfg.temperature
     fast = runners.get(len(prompts))[0]
     if fast is not None:
-        return timed_uncaptured(target, lambda: fast.plain(prompts, n, eos_ids, T))
+        return timed_uncaptured(target, lambda: fast.plain(prompts, n, eos_ids, T, generator=generator))
     if len(prompts) == 1:
         out, s = timed(target, lambda: plain_generate(target, prompts[0], n, eos_ids, T, generator))
         return [out], s

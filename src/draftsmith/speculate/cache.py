@@ -70,6 +70,14 @@ def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dic
     return graph, out
 
 
+def reseed(own: torch.Generator, source: Optional[torch.Generator]) -> None:
+    """Seed `own` from one draw of `source` (torch's default generator when None). A CUDA graph holds the
+    generator it registered at capture, so a caller's new generator per run could never reach it: a
+    graphed loop draws from its own, seeded per run from the caller's -- after any capture of that run,
+    whose warm-up draws too, so that a run that captured draws what one that did not."""
+    own.manual_seed(int(torch.randint(1 << 62, (1,), generator=source, device=source.device if source is not None else "cpu")))
+
+
 def copy_columns(tensors: Sequence[torch.Tensor], b, src, dst) -> None:
     """KV-cache columns src -> dst of batch rows b (index tensors of one length), in every [..., B,
     heads, S, d] tensor (leading dims: layers stacked into one tensor move in one gather and one

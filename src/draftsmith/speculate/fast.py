@@ -32,7 +32,7 @@ import torch
 from ..artifacts import DraftsmithError, log
 from ..draft.attention import decode_attention
 from ..target.model import Target, TargetOutput
-from .cache import Graphed, additive, capture, copy_columns, h2d, stack_layers
+from .cache import Graphed, additive, capture, copy_columns, h2d, reseed, stack_layers
 from .tree import device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
@@ -204,6 +204,7 @@ class FastTarget:
             compile_regions(target.model)
         self.B = self.S = 0
         self.reallocations = 0
+        self.gen: Optional[torch.Generator] = None  # sampled plain decoding draws from it (plain)
         self.ensure(batch_size, max_len)
 
     # -- allocation ---------------------------------------------------------------------
@@ -347,21 +348,27 @@ class FastTarget:
 
     @torch.inference_mode()
     def plain(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int] = (),
-              temperature: float = 0.0, check_every: int = 8) -> list[list[int]]:
+              temperature: float = 0.0, check_every: int = 8, generator: Optional[torch.Generator] = None) -> list[list[int]]:
         """Plain decoding of a (left-padded) batch, one target forward per token, the token fed
-        back on the device; the host reads the tokens every `check_every` steps to stop at EOS."""
+        back on the device; the host reads the tokens every `check_every` steps to stop at EOS.
+        Sampled: the draws come from FastTarget's own generator (the one its graph registers),
+        seeded from `generator` at the start (cache.reseed): the same seed, the same tokens."""
         ids, pad, pos = left_pad(prompts, self.device)
         B, P = ids.shape
         out = self.prefill(ids, pos, pad, max_new_tokens)
-        first = pick_on_device(out.logits[:, -1], temperature)
+        if temperature > 0 and self.gen is None:
+            self.gen = torch.Generator(device=self.device)
         st = self._plain_state()
-        st["tok"].copy_(first[:, None])
         st["pos"].copy_(pos[:, -1:] + 1)
         st["past"].fill_(P)
         st["start"].copy_(pad)
-        st["buf"][:, 0] = first
         st["i"].fill_(1)
-        step = self._plain_step(temperature)
+        step = self._plain_step(temperature)  # may capture: after the state is this run's (its warm-up writes column P)
+        if temperature > 0:
+            reseed(self.gen, generator)
+        first = pick_on_device(out.logits[:, -1], temperature, self.gen)
+        st["tok"].copy_(first[:, None])
+        st["buf"][:, 0] = first
         n, got = 1, None
         while n < max_new_tokens:
             todo = min(check_every, max_new_tokens - n)
@@ -395,7 +402,7 @@ class FastTarget:
         def step():
             mask = ((cols >= st["start"][:, None]) & (cols <= st["past"]))[:, None, :]
             logits, _, _ = self.fn(st["tok"], st["pos"], st["past"], mask)
-            nxt = pick_on_device(logits[:, -1], temperature)
+            nxt = pick_on_device(logits[:, -1], temperature, self.gen)
             st["tok"].copy_(nxt[:, None])
             st["pos"].add_(1)
             st["past"].add_(1)
@@ -406,5 +413,6 @@ class FastTarget:
             return step
         key = (temperature, self.W)  # one graph per sampling setting and attention width
         if key not in self.plain_graphs:
-            self.plain_graphs[key], _ = capture(step, state=st)  # the warm-up step's advance is undone
+            gens = (self.gen,) if temperature > 0 and self.device.type == "cuda" else ()
+            self.plain_graphs[key], _ = capture(step, state=st, generators=gens)  # the warm-up step's advance is undone
         return self.plain_graphs[key].replay

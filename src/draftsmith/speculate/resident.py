@@ -13,14 +13,14 @@ syncs and a few milliseconds of Python per round, during which the GPU idles (pr
     accept     greedy: a node is accepted when its token is the target's argmax at its parent
                and its parent is accepted; the committed tokens are the argmax along that path.
                Sampled (temperature > 0): the same with one draw per row instead of the argmax
-               (sample_rows: the tree's top-k drafts are fixed nodes), or, for a chain whose
+               (sample_race: the tree's top-k drafts are fixed nodes), or, for a chain whose
                drafts were drawn from the drafter's law q, speculative sampling with the residual
                (accept_sampled_chain); draws from the round's own generator, the target's law kept
     commit     emitted tokens (cut at EOS) into an output buffer; per-round counts into stats
                buffers; the target's cache rows of the root and path moved behind each
                sequence's committed rows; the drafter fed those rows (as Eagle3Proposer._feed)
 
-Each step but expand and verify is a pure tensor function below (choose, ancestry, sample_rows, accept,
+Each step but expand and verify is a pure tensor function below (choose, ancestry, sample_race, accept,
 accept_sampled_chain, commit, feed_inputs, feed_finish), labelled with its phase for torch.profiler (benchmarks/count_round_ops.py
 counts the ops of each); with `compile_round` inductor compiles each of them, so their small
 kernels (167 in a 12-layer reference-shaped chain round on a CPU) become a few fused ones (24).
@@ -40,10 +40,10 @@ from typing import Sequence
 
 import torch
 
-from .cache import capture, capture_failed, copy_columns, h2d
+from .cache import capture, capture_failed, copy_columns, h2d, reseed
 from .eagle3 import Eagle3Proposer
 from .fast import FastTarget
-from .tree import SpecStats, device_tree_mask, left_pad, pick
+from .tree import SpecStats, device_tree_mask, left_pad, pick, sample_race
 from .verify import rows_of
 
 phase = torch.profiler.record_function  # labels a round's phases for benchmarks/count_round_ops.py (no-op unprofiled)
@@ -51,7 +51,7 @@ phase = torch.profiler.record_function  # labels a round's phases for benchmarks
 
 def eligible(fast, proposer, temperature: float) -> bool:
     """The resident path runs EAGLE-3 proposals on a FastTarget with a FastDraft, greedy or sampled
-    (chains whose drafts are drawn from q: accept_sampled_chain; trees of top-k drafts: sample_rows and
+    (chains whose drafts are drawn from q: accept_sampled_chain; trees of top-k drafts: sample_race and
     accept), as the host loop does with tree.accept_sampled."""
     return fast is not None and isinstance(proposer, Eagle3Proposer) and proposer.fast is not None
 
@@ -102,15 +102,9 @@ def ancestry(prow, row_valid, D: int):
     return anc & (row_valid[:, :, None] | eye)
 
 
-def sample_rows(logits, e, temperature: float):
-    """One draw per row from softmax(logits / temperature): argmax p / e with e [B, N, V] Exp(1) (the
-    exponential race). With `accept`, this verifies a sampled tree of top-k drafts (see accept)."""
-    return (torch.softmax(logits.float() / temperature, -1) / e).argmax(-1)
-
-
 def accept(picked, ids, prow, row_valid, anc, eos, T: int):
     """Acceptance against the target's token at every row, `picked` [B, N]: its argmax (greedy), or one
-    draw per row (sample_rows). A row is accepted when it and every ancestor below the root hold the
+    draw per row (tree.sample_race). A row is accepted when it and every ancestor below the root hold the
     picked token of their parent. With draws this is speculative sampling of a tree whose nodes are
     fixed (top-k children, distinct tokens: q a point mass), as tree.accept_sampled does by trying the
     children one after another: a child x is accepted with p(x), the residual after rejecting the
@@ -223,7 +217,7 @@ def feed_finish(st: dict, g, n_feed) -> None:
     st["d_rows"] += n_feed
 
 
-PARTS = (choose, ancestry, sample_rows, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
+PARTS = (choose, ancestry, sample_race, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
 
 
 def round_parts(compiled: bool) -> SimpleNamespace:
@@ -242,10 +236,9 @@ class Resident:
     def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int],
                  compile_round: bool = False, temperature: float = 0.0):
         d, dev = prop.drafter, ft.device
-        self.temperature = temperature  # > 0: sampled (accept_sampled_chain for drafts drawn from q, else sample_rows)
+        self.temperature = temperature  # > 0: sampled (accept_sampled_chain for drafts drawn from q, else tree.sample_race)
         self.sampled_drafts = temperature > 0 and prop.topk == 1 and prop.temperature > 0  # as Eagle3Proposer.propose
-        # a sampled round draws from this generator (the one its CUDA graph holds), seeded per run from the proposer's
-        self.gen = torch.Generator(device=dev) if temperature > 0 else None
+        self.gen = None  # a sampled round draws from its own generator (cache.reseed), seeded per run from the proposer's
         self.ft, self.prop, self.B, self.D, self.K = ft, prop, B, depth, prop.topk
         self.n_cand = self.K + (depth - 1) * self.K * self.K
         self.M = min(prop.budget, self.n_cand)        # nodes verified per sequence (padded)
@@ -305,8 +298,8 @@ class Resident:
                 n_acc, path, committed, n_emit, hit = f.accept_sampled_chain(logits, ids, row_valid, q_all, u, e, st["eos"],
                                                                              self.temperature, self.T)
             else:  # greedy, or fixed (top-k) drafts verified against one draw per row
-                picked = logits.argmax(-1) if self.temperature <= 0 else f.sample_rows(
-                    logits, torch.empty(logits.shape, device=ids.device).exponential_(generator=g), self.temperature)
+                picked = logits.argmax(-1) if self.temperature <= 0 else f.sample_race(
+                    logits, self.temperature, torch.empty(logits.shape, device=ids.device).exponential_(generator=g))
                 n_acc, path, committed, n_emit, hit = f.accept(picked, ids, prow, row_valid, anc, st["eos"], self.T)
         with phase("commit"):
             src, dst, n_feed = f.commit(st, active, n_acc, path, committed, n_emit, hit, row_valid, depth_r, past,
@@ -331,7 +324,7 @@ class Resident:
             return self.round
         if self.graph is None:
             try:  # the warm-up round's advance of the state is undone (its cache writes are redone)
-                gens = (self.gen,) if self.gen is not None and self.gen.device.type == "cuda" else ()
+                gens = (self.gen,) if self.temperature > 0 and self.gen.device.type == "cuda" else ()
                 self.graph, _ = capture(self.round, state=self.state, generators=gens)
             except Exception as e:  # cannot be captured: eager rounds from now on (a real error recurs there)
                 what = f"the resident round (batch {self.B}, topk {self.K}, budget {self.M}, depth {self.D})"
@@ -340,9 +333,10 @@ class Resident:
                 return self.round
         return self.graph.replay
 
-    def run(self, first: list[int], pad: list[int], P: int) -> tuple[list[list[int]], list[dict]]:
+    def run(self, first: list[int], pad: list[int], P: int, seed_from=None) -> tuple[list[list[int]], list[dict]]:
         """Rounds until every sequence is done. `first` = the prefill's tokens; the proposer has
-        been started (its committed rows hold the prompts). Returns (new tokens, stats) per sequence."""
+        been started (its committed rows hold the prompts). Sampled: self.gen seeded from `seed_from`
+        once the round is captured. Returns (new tokens, stats) per sequence."""
         st, prop, dev = self.state, self.prop, self.ft.device
         for k in ("n_gen", "rounds", "r_drafted", "r_accepted", "r_emitted", "drafted", "reached", "accepted", "buf"):
             st[k].zero_()
@@ -359,6 +353,8 @@ class Resident:
         st["d_rows"].copy_(prop.rows)
         st["g_last"].copy_(prop.g_last)
         step = None if bool(host[:, 4].all()) else self._replay()
+        if self.temperature > 0:
+            reseed(self.gen, seed_from)
         cuda = dev.type == "cuda"
         flags = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]
         events = [torch.cuda.Event() if cuda else None for _ in range(2)]
@@ -422,11 +418,11 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     if res is None or not res.same_caches():
         res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids, compile_round, temperature)
     own = proposer.generator
-    if res.gen is not None:  # this run draws from the round's own generator, seeded from the proposer's
-        res.gen.manual_seed(int(torch.randint(1 << 62, (1,), generator=own, device=own.device if own is not None else "cpu")))
+    if temperature > 0:  # this run draws from the round's own generator, seeded from the proposer's (run)
+        res.gen = res.gen if res.gen is not None else torch.Generator(device=dev)
         proposer.generator = res.gen
     try:
-        new, per = res.run(first, pad_h, P)
+        new, per = res.run(first, pad_h, P, seed_from=own)
     finally:
         proposer.generator = own
     wall = time.perf_counter() - t_start

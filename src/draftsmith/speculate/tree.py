@@ -206,13 +206,19 @@ def pick(logits: torch.Tensor, temperature: float, generator: Optional[torch.Gen
     return sample(torch.softmax(logits.float() / temperature, -1), generator)
 
 
-def pick_on_device(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, V] -> [B] next tokens without leaving the GPU: argmax, or a sample from softmax(l / T)
-    by the exponential race (argmax p / E, E ~ Exp(1)), which needs no host sync."""
+def sample_race(logits: torch.Tensor, temperature: float, e: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: one draw per row from softmax(logits / temperature) by the exponential race,
+    argmax p / e with e ~ Exp(1) of logits' shape: no host sync, and e comes in, so that a compiled
+    or graphed caller draws it where it likes."""
+    return (torch.softmax(logits.float() / temperature, -1) / e).argmax(-1)
+
+
+def pick_on_device(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """[..., V] -> [...] next tokens without leaving the GPU: argmax, or a draw from softmax(l / T)
+    (sample_race, e from `generator`)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    p = torch.softmax(logits.float() / temperature, -1)
-    return (p / torch.empty_like(p).exponential_()).argmax(-1)
+    return sample_race(logits, temperature, torch.empty(logits.shape, device=logits.device).exponential_(generator=generator))
 
 
 def as_prompt(input_ids: Any, device: torch.device) -> torch.Tensor:
