@@ -251,3 +251,23 @@ def test_resident_sampled_decoding_matches_target_distribution(tiny, mode, monke
             counts[tuple(n)] = counts.get(tuple(n), 0) + 1
     assert accepted >= 20  # drafts were accepted (top-1 drafts of this random drafter: ~30 of 2,000 rounds)
     assert chi_square_p(counts, exact_three(target)) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_resident_sampled_decoding_stops_at_eos(tiny, method):
+    """Sampled resident rounds cut each sequence after its first EOS, as the host loop does: no EOS before the
+    last token, and a sequence shorter than max_new_tokens ends with one."""
+    from draftsmith.speculate.eagle3 import FastDraft
+    from draftsmith.speculate.fast import FastTarget
+
+    target, drafter = tiny
+    ft, fd = FastTarget(target, "static"), FastDraft(drafter, graphs=False)
+    g = torch.Generator().manual_seed(3)
+    topk, budget = (1, 3) if method == "chain" else (3, 6)
+    prop = Eagle3Proposer(drafter, topk=topk, budget=budget, temperature=1.0, generator=g, fast=fd)
+    new, stats = generate(target, prop, [PROMPT] * 64, 8, depth=3, eos_ids=(3,), temperature=1.0, generator=g,
+                          fast=ft, resident=True)
+    assert all(s.target_s is None for s in stats)
+    assert all(3 not in n[:-1] and (n[-1] == 3 or len(n) == 8) for n in new)
+    assert sum(n[-1] == 3 and len(n) < 8 for n in new) >= 10  # EOS did stop sequences early
+    assert all(s.tokens == len(n) == sum(s.emitted_per_round) + 1 for s, n in zip(stats, new))
