@@ -93,9 +93,9 @@ CONFIGS = {
 # ----------------------------------------------------------------------------- models
 
 
-def build_target(dims: dict, device: torch.device, dtype: torch.dtype, seed: int, random: bool = True):
-    """A random-weight Llama of `dims`, built on `device` directly (no CPU copy, no disk), as a Target;
-    random=False: the bare model as built (the meta device's, for --bound_only)."""
+def build_target(dims: dict, device: torch.device, dtype: torch.dtype, seed: int, random: bool = True) -> Target:
+    """A random-weight Llama of `dims`, built on `device` directly (no CPU copy, no disk); random=False
+    leaves the weights as built (decisive skipped: the meta device's, for --bound_only)."""
     from transformers import LlamaConfig, LlamaForCausalLM  # why here: seconds to import
 
     cfg = LlamaConfig(vocab_size=dims["vocab"], hidden_size=dims["hidden_size"], intermediate_size=dims["intermediate"],
@@ -105,9 +105,8 @@ def build_target(dims: dict, device: torch.device, dtype: torch.dtype, seed: int
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=dtype)
-    if not random:
-        return model
-    decisive(model, dims["init_std"] or 0.02, seed)
+    if random:
+        decisive(model, dims["init_std"] or 0.02, seed)
     model.eval().requires_grad_(False)
     t = Target(model, None)
     t._install_final_hook()
@@ -312,7 +311,7 @@ def main(argv=None) -> int:
     if a.bound_only:
         dtype = getattr(torch, a.dtype or "bfloat16")
         with torch.device("meta"):
-            target = Target(build_target(dims, torch.device("meta"), dtype, a.seed, random=False), None)
+            target = build_target(dims, torch.device("meta"), dtype, a.seed, random=False)
             drafter = Eagle3Drafter(drafter_config(target.config, DraftConfig(), dims["draft_vocab"],
                                                    target.aux_layer_ids)).to(dtype)
         bound = weight_bound(target, drafter, a.draft_steps, a.draft_steps + 1)

@@ -238,7 +238,8 @@ class Resident:
         d, dev = prop.drafter, ft.device
         self.temperature = temperature  # > 0: sampled (accept_sampled_chain for drafts drawn from q, else tree.sample_race)
         self.sampled_drafts = temperature > 0 and prop.topk == 1 and prop.temperature > 0  # as Eagle3Proposer.propose
-        self.gen = None  # a sampled round draws from its own generator (cache.reseed), seeded per run from the proposer's
+        # a sampled round draws from its own generator (the one its graph registers), seeded per run (cache.reseed)
+        self.gen = torch.Generator(device=dev) if temperature > 0 else None
         self.ft, self.prop, self.B, self.D, self.K = ft, prop, B, depth, prop.topk
         self.n_cand = self.K + (depth - 1) * self.K * self.K
         self.M = min(prop.budget, self.n_cand)        # nodes verified per sequence (padded)
@@ -419,7 +420,6 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
         res = store[key] = Resident(fast, proposer, B, depth, max_new_tokens, eos_ids, compile_round, temperature)
     own = proposer.generator
     if temperature > 0:  # this run draws from the round's own generator, seeded from the proposer's (run)
-        res.gen = res.gen if res.gen is not None else torch.Generator(device=dev)
         proposer.generator = res.gen
     try:
         new, per = res.run(first, pad_h, P, seed_from=own)
