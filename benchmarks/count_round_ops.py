@@ -8,7 +8,8 @@ drafter, under torch.profiler, and counts per round and per phase (resident.py's
     ops      top-level ops the round's Python issues in that phase (a compiled part: one)
     kernels  leaf aten ops, views, allocations and no-op casts left out, and inductor's fused
              kernels: on a GPU each is about one kernel, one node of the round's CUDA graph, a few
-             microseconds even inside the graph
+             microseconds even inside the graph (torch's rms_norm counts as one: CUDA runs it as one
+             fused kernel, a CPU as several ops)
 
 The round's own logic is everything except `verify` (the target's forward with its mask), `expand`
 (the drafter steps) and `feed_forward` (the drafter's forward over the committed rows).
@@ -57,6 +58,9 @@ NOT_KERNELS = {"aten::select", "aten::unsqueeze", "aten::expand", "aten::transpo
                "aten::squeeze_", "aten::detach_", "aten::_has_compatible_shallow_copy_type", "aten::size",
                "aten::numpy_T"}
 """Views, allocations, no-op casts, wrapped Python scalars (no kernel on a GPU either), host reads."""
+ONE_KERNEL_ON_GPU = {"aten::_fused_rms_norm"}
+"""Ops a CPU runs as several leaf ops and CUDA as one fused kernel (torch's rms_norm, input and weight of
+one dtype): counted as one kernel, their CPU leaves not at all."""
 
 
 def phase_of(e) -> str:
@@ -88,8 +92,14 @@ def count(events, rounds: int, top: int = 5) -> dict:
             below[id(e)] = any((is_op(c) and c.name not in NOT_KERNELS) or kernel_below(c) for c in e.cpu_children)
         return below[id(e)]
 
+    def inside_one_kernel(e) -> bool:
+        p = e.cpu_parent
+        while p is not None and p.name not in ONE_KERNEL_ON_GPU:
+            p = p.cpu_parent
+        return p is not None
+
     for e in events:
-        if not is_op(e):
+        if not is_op(e) or inside_one_kernel(e):
             continue
         ph = phase_of(e)
         parent = e.cpu_parent
@@ -97,6 +107,8 @@ def count(events, rounds: int, top: int = 5) -> dict:
             ops[ph] += 1
         if is_fused(e):
             kernels[ph]["inductor kernel"] += 1
+        elif e.name in ONE_KERNEL_ON_GPU:
+            kernels[ph][e.name] += 1
         elif e.name.startswith("aten::") and e.name not in NOT_KERNELS and not kernel_below(e):
             kernels[ph][e.name] += 1
     out = {}

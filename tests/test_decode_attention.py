@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import draftsmith.speculate.fast as fast
 from draftsmith.draft.attention import FOLD_ROWS, decode_attention, decode_kernel
 from draftsmith.speculate.cache import additive
-from draftsmith.speculate.tree import device_tree_mask
+from draftsmith.speculate.tree import committed_columns, device_tree_mask
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
@@ -120,7 +120,7 @@ def forwards(ft, rows):
     start, end = pad, torch.tensor([7, 7])
     vids = torch.randint(3, 60, (2, rows), generator=torch.Generator().manual_seed(1))
     vpos = 7 - pad[:, None] + torch.arange(rows)[None]
-    out.append(ft.fn(vids, vpos, torch.tensor(7), device_tree_mask(ft.cols, start, end, torch.tensor(7), anc))[0])
+    out.append(ft.fn(vids, vpos, torch.tensor(7), device_tree_mask(committed_columns(ft.cols, start, end), torch.tensor(7), anc))[0])
     return out
 
 

@@ -179,3 +179,25 @@ def test_rope_settings_old_style():
         rope_theta = 1e6
         rope_scaling = {"type": "linear", "factor": 2.0}
     assert rope_settings(Old()) == (1e6, {"type": "linear", "factor": 2.0})
+
+
+def test_rms_norm_in_one_dtype_and_under_autocast():
+    """RMSNorm: input and weight of one dtype take torch's rms_norm (one fused kernel on CUDA): float32
+    exactly the formula, bf16 within one rounding of it; a bf16 input with float32 weights (autocast
+    training) keeps transformers' form, a float32 product."""
+    from draftsmith.draft.model import RMSNorm
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=g)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), want, rtol=1e-6, atol=1e-6)
+    xb = x.bfloat16()
+    want = norm.weight * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+    mixed = norm(xb)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, want, rtol=2 ** -8, atol=1e-6)
+    low = norm.to(torch.bfloat16)(xb)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), want, rtol=2 ** -7, atol=1e-6)

@@ -80,3 +80,34 @@ def test_tables_made_under_inference_mode_serve_training():
     cos, sin = rope_cos_sin(pos, cfg, torch.float32)
     (x * cos + x * sin).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["default", "yarn"])
+def test_table_rows_are_the_computed_rotation(kind):
+    """A decoding step looks its rotation up in rope_table (one gather, no cos/sin kernels); the rows
+    are rope_cos_sin's values at those positions (YaRN: scaled too), in the table's dtype."""
+    cfg = drafter_config(target_config(SCALINGS[kind]), DraftConfig(), 32, [1, 2, 3])
+    pos = torch.tensor([[0, 1, 7, 1000], [3, 4095, 5, 6]])
+    for dtype in (torch.float32, torch.bfloat16):
+        table = rope.rope_table(cfg, 4096, dtype, "cpu")
+        assert table.shape == (2, 4096, cfg.head_dim) and table.dtype == dtype
+        cos, sin = table[:, pos].unbind(0)
+        want_cos, want_sin = rope_cos_sin(pos, cfg, dtype)
+        torch.testing.assert_close(cos, want_cos, rtol=0, atol=2e-6)
+        torch.testing.assert_close(sin, want_sin, rtol=0, atol=2e-6)
+
+
+def test_drafter_step_with_a_table_equals_the_computed_one():
+    """Eagle3Drafter.forward rotates by its cache's table when the cache has one (the static cache of
+    the fast path), by rope_cos_sin otherwise: the same step either way."""
+    cfg = drafter_config(target_config(SCALINGS["llama3"]), DraftConfig(), 32, [1, 2, 3])
+    torch.manual_seed(0)
+    m = Eagle3Drafter(cfg).eval()
+    ids, pos = torch.tensor([[3, 4, 5]]), torch.tensor([[0, 700, 2000]])
+    h = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(1))
+    plain = m(ids, h, pos, DraftKVCache())
+    tabled = DraftKVCache()
+    tabled.rope = rope.rope_table(cfg, 2048, torch.float32, "cpu")
+    torch.testing.assert_close(m(ids, h, pos, tabled), plain, rtol=0, atol=1e-5)
+    tabled.rope = torch.zeros_like(tabled.rope)  # the table is really what rotates
+    assert not torch.allclose(m(ids, h, pos, DraftKVCache()), m(ids, h, pos, tabled), atol=1e-3)

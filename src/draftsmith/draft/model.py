@@ -62,7 +62,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == self.weight.dtype:  # torch's rms_norm: one fused kernel on CUDA, the same float32 math
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        dtype = x.dtype  # float32 weights under autocast (training): the product is float32, as transformers'
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -88,14 +90,18 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * H, nkv * hd, bias=False)
         self.o_proj = nn.Linear(nh * hd, H, bias=False)
 
-    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
-        """Project and rotate: q [B, nh, T, hd], k/v [B, nkv, T, hd]."""
+    def qkv(self, x: torch.Tensor, position_ids: torch.Tensor, table: Optional[torch.Tensor] = None):
+        """Project and rotate: q [B, nh, T, hd], k/v [B, nkv, T, hd]. The rotation of each position comes
+        from `table` (rope.rope_table, in q's dtype: one gather) when given, else is computed."""
         B, T, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(position_ids, c, q.dtype)  # honours cfg.rope_scaling
+        if table is None:
+            cos, sin = rope_cos_sin(position_ids, c, q.dtype)  # honours cfg.rope_scaling
+        else:
+            cos, sin = table[:, position_ids].unbind(0)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
@@ -134,6 +140,8 @@ class DraftKVCache:
     """Key/value cache of the drafter for inference: [B, nkv, S, hd] per tensor.
 
     `crop(n)` drops everything after the first n positions (rejected drafts)."""
+
+    rope = None  # no rotary table (speculate.cache.StaticDraftCache carries one): positions are unbounded
 
     def __init__(self):
         self.k: Optional[torch.Tensor] = None
@@ -213,7 +221,8 @@ class Eagle3Drafter(nn.Module):
         """One drafter step over T new rows.
 
         input_ids [B, T] (token t+1 of each row), hidden [B, T, H] (fc(aux) or a previous g),
-        position_ids [B, T]. With a cache, the new keys are appended and the rows attend to
+        position_ids [B, T] (below the size of a cache's rotary table `cache.rope`, when it has one).
+        With a cache, the new keys are appended and the rows attend to
         all cached rows plus, causally, each other; `attn_mask` [B or 1, T, S_total] (True =
         attend) overrides that (tree drafting). Returns the hidden state the next step reads
         [B, T, H] (`output`: g pre-norm, or norm(g) under norm_output)."""
@@ -221,7 +230,7 @@ class Eagle3Drafter(nn.Module):
         attn = layer.self_attn
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
         x, residual = layer.attn_input(emb, hidden)
-        q, k, v = attn.qkv(x, position_ids)
+        q, k, v = attn.qkv(x, position_ids, None if cache is None else cache.rope)
         past = 0
         if cache is not None:
             past = cache.length

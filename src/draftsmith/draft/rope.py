@@ -87,4 +87,13 @@ def rope_cos_sin(position_ids: torch.Tensor, cfg, dtype: torch.dtype) -> tuple[t
     inv_freq, scale = _TABLES[key]
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
+    if scale == 1.0:  # every type but YaRN: two kernels fewer
+        return emb.cos().to(dtype), emb.sin().to(dtype)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rope_table(cfg, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """rope_cos_sin of the positions 0..n-1, stacked [2, n, head_dim] in dtype: a decoding step looks its
+    rows up (`table[:, position_ids]`, one gather) instead of computing them (about eight kernels, each a
+    node of a CUDA graph)."""
+    return torch.stack(rope_cos_sin(torch.arange(n, device=device)[None], cfg, dtype))[:, 0]

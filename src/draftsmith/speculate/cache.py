@@ -217,12 +217,16 @@ def move_rows(cache: Any, batch: list[int], src: list[int], dst: list[int], leng
 class StaticDraftCache:
     """The drafter's KV cache, preallocated [B, nkv, S, hd]; `append` writes the new rows at
     column `write_at` (a device scalar, so a graph can replay it) and returns the whole buffers;
-    the caller's mask hides the columns it must not see. `length` is the host's bookkeeping."""
+    the caller's mask hides the columns it must not see. `length` is the host's bookkeeping.
+    `rope` (draft.rope.rope_table, or None) is the rotation of positions 0..S-1: a row's position is
+    at most its column, so the drafter looks its rows up there."""
 
     static = True
 
-    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, dtype, device,
+                 rope: Optional[torch.Tensor] = None):
         self.kv = torch.zeros((2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
+        self.rope = rope
         self.k, self.v = self.kv[0], self.kv[1]  # views of one buffer: a column move is one copy of both
         self.write_at = torch.zeros((), dtype=torch.long, device=device)
         self.length = 0

@@ -23,8 +23,9 @@ from typing import Any, Optional
 import torch
 
 from ..draft.model import DraftKVCache, Eagle3Drafter
+from ..draft.rope import rope_table
 from .cache import Graphed, StaticDraftCache, h2d, move_rows
-from .tree import DraftTree, device_tree_mask, tree_mask
+from .tree import DraftTree, committed_columns, device_tree_mask, tree_mask
 
 
 class Eagle3Proposer:
@@ -147,24 +148,29 @@ class Eagle3Proposer:
         front_anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)       # fed ancestors
         eye = torch.eye(K, dtype=torch.bool, device=dev)[None].expand(B, K, K)
         n_cand = K
+        front_tok = toks[0]
         for depth in range(2, D + 1):
-            tok = torch.cat(toks, 1).gather(1, front)
             anc = torch.cat([front_anc, eye], -1)
             pos = (rows + depth - 2)[:, None].expand(B, K)
-            g, logits = step(tok, front_g, pos, anc, (depth - 2) * K)
+            g, logits = step(front_tok, front_g, pos, anc, (depth - 2) * K)
             idx, logp, q = children(g, logits)                                # [B, K, K]
             cum = (front_score[:, :, None] + logp).reshape(B, K * K)
-            toks.append(d.draft_to_target(idx).reshape(B, K * K))
+            tok = d.draft_to_target(idx).reshape(B, K * K)
+            toks.append(tok)
             scores.append(cum)
             parents.append(front[:, :, None].expand(B, K, K).reshape(B, K * K))
             if sampled:
                 qs.append(q)
-            best = cum.topk(K, dim=-1).indices                               # next frontier: best K children
-            row = best // K                                                   # which fed row is the parent
-            front = n_cand + best
-            front_score = cum.gather(1, best)
-            front_g = g.gather(1, row[:, :, None].expand(-1, -1, g.shape[-1]))
-            front_anc = anc.gather(1, row[:, :, None].expand(-1, -1, anc.shape[-1]))  # parent's ancestors + parent
+            if K == 1:  # a chain: its one child is the frontier (no top-k, no gathers: kernels of a graph)
+                front, front_tok, front_score, front_g, front_anc = torch.full_like(front, n_cand), tok, cum, g, anc
+            else:
+                best = cum.topk(K, dim=-1).indices                           # next frontier: best K children
+                row = best // K                                               # which fed row is the parent
+                front = n_cand + best
+                front_tok = tok.gather(1, best)
+                front_score = cum.gather(1, best)
+                front_g = g.gather(1, row[:, :, None].expand(-1, -1, g.shape[-1]))
+                front_anc = anc.gather(1, row[:, :, None].expand(-1, -1, anc.shape[-1]))  # parent's ancestors + parent
             n_cand += K * K
         q_all = torch.cat([x.reshape(B, -1, x.shape[-1]) for x in qs], 1) if sampled else None
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), q_all
@@ -173,11 +179,11 @@ class Eagle3Proposer:
         """A `step` for `expand` on the static cache with no host values: the mask is built on the
         device from start/end/past (a 0-d tensor) and the rows are written at past + fed."""
         c, d = self.cache, self.drafter
-        cols = torch.arange(c.size, device=past.device)
+        committed = committed_columns(torch.arange(c.size, device=past.device), start, end)  # the same at every depth
 
         def step(tok, hidden, pos, anc, fed):
             c.write_at.copy_(past + fed)
-            g = d(tok, hidden, pos, c, attn_mask=device_tree_mask(cols, start, end, past, anc))
+            g = d(tok, hidden, pos, c, attn_mask=device_tree_mask(committed, past, anc))
             return g, d.logits(g)
         return step
 
@@ -258,7 +264,8 @@ class FastDraft:
     def _new(self, batch_size: int, needed: int) -> None:
         cfg, w = self.drafter.cfg, self.drafter.fc.weight
         S = -(-(needed + 256) // 256) * 256
-        self.cache = StaticDraftCache(batch_size, S, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
+        self.cache = StaticDraftCache(batch_size, S, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device,
+                                      rope_table(cfg, S, w.dtype, w.device))
         self.step = Graphed(self._step, self.graphs, self.max_rows)
         self.expansions: dict[tuple, Graphed] = {}
 

@@ -33,7 +33,7 @@ from ..artifacts import DraftsmithError, log
 from ..draft.attention import decode_attention
 from ..target.model import Target, TargetOutput
 from .cache import Graphed, additive, capture, copy_columns, h2d, reseed, stack_layers
-from .tree import device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
+from .tree import committed_columns, device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
 
@@ -276,7 +276,7 @@ class FastTarget:
         [start_b, end_b) and the new rows anc allows, attending over the columns `cols` (arange(W): an
         input, so that each width has its own graph). Returns (logits, aux_hidden, final_hidden)."""
         anc = anc.bool()  # sent as int64 with the other inputs
-        return self.fn(ids, pos, past, device_tree_mask(cols, start, end, past, anc))
+        return self.fn(ids, pos, past, device_tree_mask(committed_columns(cols, start, end), past, anc))
 
     def move_columns(self, b, src, dst):
         """Cache columns src -> dst of batch rows b in every layer (device index tensors; graph-safe)."""

@@ -43,7 +43,7 @@ import torch
 from .cache import capture, capture_failed, copy_columns, h2d, reseed
 from .eagle3 import Eagle3Proposer
 from .fast import FastTarget
-from .tree import SpecStats, device_tree_mask, left_pad, pick, sample_race
+from .tree import SpecStats, committed_columns, device_tree_mask, left_pad, pick, sample_race
 from .verify import rows_of
 
 phase = torch.profiler.record_function  # labels a round's phases for benchmarks/count_round_ops.py (no-op unprofiled)
@@ -201,7 +201,7 @@ def feed_inputs(committed, aux, path, n_feed, d_start, d_end, d_rows, d_past, d_
     f_aux = aux.gather(1, path[:, :, None].expand(B, T, aux.shape[-1]))
     eye = torch.eye(T, dtype=torch.bool, device=committed.device)
     anc = (torch.ones(T, T, dtype=torch.bool, device=fed.device).tril()[None] & fed[:, None, :]) | eye  # causal, fed rows
-    mask = device_tree_mask(d_cols, d_start, d_end, d_past, anc)
+    mask = device_tree_mask(committed_columns(d_cols, d_start, d_end), d_past, anc)
     spare = d_cols.shape[0] - 1
     src = torch.where(fed, d_past + steps, spare).reshape(-1)
     dst = torch.where(fed, d_end[:, None] + steps, spare).reshape(-1)

@@ -4,7 +4,7 @@
     SpecStats              per-sequence accounting of a generation (rounds, drafted/accepted/emitted per round)
     tree_ancestry          [B, n, n] host bool: each verify row sees the root, its ancestors and itself
     tree_mask              host-side bool mask over [committed columns, new rows] (engine, eager drafter)
-    device_tree_mask       the same from device values only (graph-safe: static caches, resident rounds)
+    committed_columns, device_tree_mask   the same from device values only (graph-safe: static caches, resident rounds)
     prefill_mask           causal over left-padded prompts
     accept_greedy          follow the target's argmax down a tree
     accept_sampled         speculative rejection sampling down a tree
@@ -108,13 +108,18 @@ def tree_mask(start: torch.Tensor, end: torch.Tensor, past: int, anc: torch.Tens
     return torch.cat(parts, dim=-1)
 
 
-def device_tree_mask(cols: torch.Tensor, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor,
-                     anc: torch.Tensor) -> torch.Tensor:
-    """tree_mask built on the device from device values only (graph-safe): bool [B, N, S]
-    over a static cache's columns `cols` (arange(S)); `past` is a 0-d tensor."""
+def committed_columns(cols: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Bool [B, S]: the committed columns [start_b, end_b) of each sequence among a static cache's
+    columns `cols` (arange(S)); device_tree_mask's first input, made once for the steps that share it."""
+    return (cols >= start[:, None]) & (cols < end[:, None])
+
+
+def device_tree_mask(committed: torch.Tensor, past: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+    """tree_mask built on the device from device values only (graph-safe): bool [B, N, S], the
+    committed columns (committed_columns) and the new ones at past + j where anc says; `past` is a
+    0-d tensor."""
     B, N, M = anc.shape
-    committed = (cols >= start[:, None]) & (cols < end[:, None])
-    mask = committed[:, None, :].expand(B, N, cols.shape[0]).clone()
+    mask = committed[:, None, :].expand(B, N, committed.shape[1]).clone()
     mask.index_copy_(2, past + torch.arange(M, device=anc.device), anc)
     return mask
 
