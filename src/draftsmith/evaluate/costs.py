@@ -10,7 +10,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..costmodel import HARDWARE, MeasuredCost, target_spec
+from ..speculate.cache import h2d
 from ..speculate.eagle3 import Eagle3Proposer
+from ..speculate.tree import tree_mask
 from ..speculate.verify import EagerVerifier, rows_of
 from .measure import EAGER_RUNNERS, DecodeRunners, timed
 
@@ -32,6 +34,8 @@ def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[
               repeats: int, runners: DecodeRunners, probe: Optional[Callable] = None) -> tuple[dict, dict]:
     """({n: target forward ms over n new tokens per sequence}, {r: drafter step ms over r rows per
     sequence}) for `batch` copies of `context`, on the runners' path. Each step's rows are dropped again.
+    On a fast path the drafter step is its graphed call alone, mask and write position already on the
+    device, as inside a resident round's expansion (the host loop builds them per step on top).
     probe(kind, batch, n, step), when given, is called after each timing with the warmed-up step
     ("target" over n tokens, "draft" over n rows): a profiler's hook (benchmarks/bench_engine.py)."""
     dev, C = target.device, len(context)
@@ -64,12 +68,18 @@ def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[
         dpos = prop.rows[:, None].expand(batch, width)
         anc = torch.eye(width, dtype=torch.bool, device=dev)[None].expand(batch, width, width)
         L = prop.cache.length
-
-        def dstep():
-            g2, logits = prop.step(x, g, dpos, anc, L)
-            if logits is None:
-                drafter.logits(g2)
+        if fast_draft is not None:  # the graphed step alone, its inputs already on the device: a step as a round pays it
+            prop.step(x, g, dpos, anc, L)  # grows the cache when these rows would not fit
             prop.cache.crop(L)
+            mask = tree_mask(prop.start_col, prop.end_col, L, anc, width=prop.cache.size)
+            at = h2d(L, dev)
+
+            def dstep():
+                fast_draft.step(x, g, dpos, mask, at)
+        else:
+            def dstep():
+                drafter.logits(prop.step(x, g, dpos, anc, L)[0])
+                prop.cache.crop(L)
         draft_ms[width] = _median_ms(target, dstep, repeats)
         if probe:
             probe("draft", batch, width, dstep)
