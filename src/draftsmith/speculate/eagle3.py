@@ -131,12 +131,12 @@ class Eagle3Proposer:
 
         def children(g: torch.Tensor, logits: Optional[torch.Tensor] = None):
             """top-k (or one sampled) draft ids per row, their log-probs, their q over the target vocab."""
-            logits = (d.logits(g) if logits is None else logits).float()
+            logits = d.logits(g) if logits is None else logits
             if sampled:  # one draw from q by the exponential race (argmax q / E, E ~ Exp(1)): no host sync, graph-safe
-                q = torch.softmax(logits / self.temperature, -1)
+                q = torch.softmax(logits.float() / self.temperature, -1)
                 idx = (q / torch.empty_like(q).exponential_(generator=self.generator)).argmax(-1, keepdim=True)
                 return idx, torch.zeros(idx.shape, device=dev), self._to_target_probs(q)
-            logp, idx = torch.log_softmax(logits, -1).topk(K, dim=-1)
+            logp, idx = torch.log_softmax(logits, -1, dtype=torch.float32).topk(K, dim=-1)  # the cast inside: one kernel
             return idx, logp, None
 
         idx, logp, q = children(g_last)                                       # [B, K]
