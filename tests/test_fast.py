@@ -266,6 +266,35 @@ def test_graphed_disabled_and_row_limit_run_eagerly():
     assert len(calls) == 2 and not g.graphs
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_standard_rms_norms_run_torchs_kernel(tmp_path, arch):
+    """FastTarget switches the target's standard RMSNorms to torch's rms_norm (one kernel on CUDA):
+    every one of them (MLA's q/kv norms too), once, the logits unchanged in float32; a variant whose
+    forward is not the standard one (Gemma's 1 + weight) keeps its own."""
+    from draftsmith.speculate.fast import fuse_rms_norms
+
+    target = load_target(make_model_dir(tmp_path, arch=arch, num_layers=2), device="cpu", dtype="float32")
+    norms = [m for m in target.model.modules() if type(m).__name__.endswith("RMSNorm")]
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        for m in norms:  # weights away from 1, so that a wrong weight or eps would show
+            m.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+        before = target.forward(ids).logits
+
+        class GemmaLikeRMSNorm(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight, self.eps = torch.nn.Parameter(torch.zeros(8)), 1e-6
+
+            def forward(self, x):
+                return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        gemma = GemmaLikeRMSNorm()
+        target.model.add_module("gemma_like", gemma)
+        assert fuse_rms_norms(target.model) == len(norms) > 2 * 2 and fuse_rms_norms(target.model) == 0
+        assert all("forward" in vars(m) for m in norms) and "forward" not in vars(gemma)  # the variant kept its own
+        torch.testing.assert_close(target.forward(ids).logits, before, rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
     """The compile mode's regional torch.compile (norms, MLPs, rotary) runs on a CPU too (without
     CUDA graphs): same greedy tokens as eager."""

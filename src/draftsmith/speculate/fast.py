@@ -25,6 +25,7 @@ attention reads what the context uses, not every column allocated.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -103,6 +104,44 @@ def graph_safe_experts(model: torch.nn.Module) -> bool:
             continue
     log("[fast] MoE experts: no graph-safe expert kernel in this transformers; static caches without CUDA graphs")
     return False
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Every RMSNorm module of the model whose forward is the standard one (transformers' LlamaRMSNorm
+    and its copies: weight * normalized(x in float32) back in x's dtype) runs torch's rms_norm instead
+    when input and weight share a dtype: one fused kernel on CUDA instead of eight (casts, power, mean,
+    eps, rsqrt, two products), each a node of a decode step's CUDA graph; the same float32 math (bf16:
+    rounded once instead of twice). Each module is checked on a random input against its own forward
+    first; a variant (Gemma's 1 + weight, no weight, another eps name) or a module whose forward is
+    already wrapped (accelerate's hooks) keeps its own. Plain decoding and
+    every method run the same modules. Affects every later forward of this model in this process.
+    Returns the number of modules switched (0 the second time)."""
+    import torch.nn.functional as F
+
+    if getattr(model, "_draftsmith_rms_norms", False):
+        return 0
+    n = 0
+    gen = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+        if (not type(m).__name__.endswith("RMSNorm") or not isinstance(w, torch.nn.Parameter) or w.dim() != 1
+                or not isinstance(eps, float) or w.device.type == "meta" or "forward" in vars(m)):
+            continue  # (a forward set on the instance: someone's wrapper, e.g. accelerate's device hooks)
+        own = m.forward
+        x = torch.randn(3, w.shape[0], generator=gen).to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            want, got = own(x), F.rms_norm(x, (w.shape[0],), w, eps)
+        tol = 1e-5 if w.dtype == torch.float32 else 2e-2
+        if want.dtype != got.dtype or not torch.allclose(want.float(), got.float(), rtol=tol, atol=tol):
+            continue
+
+        def forward(x, own=own, w=w, eps=eps):
+            return F.rms_norm(x, (x.shape[-1],), w, eps) if x.dtype == w.dtype else own(x)
+        m.forward = forward
+        n += 1
+    model._draftsmith_rms_norms = True
+    return n
 
 
 def compile_regions(model: torch.nn.Module) -> int:
@@ -200,6 +239,7 @@ class FastTarget:
         self.fn = self._forward
         self.attn_configs = decode_attention_configs(target.model)  # [] = transformers' attention, additive mask
         self.attn_checked = False
+        fuse_rms_norms(target.model)
         if mode == "compile":
             compile_regions(target.model)
         self.B = self.S = 0
@@ -222,6 +262,8 @@ class FastTarget:
             if getattr(layer, "is_sliding", False) or not hasattr(layer, "cumulative_length"):
                 raise DraftsmithError(f"{type(self.target.model).__name__}: the fast path needs a plain static KV cache "
                                       f"(transformers >= 5 StaticLayer, no sliding-window layers); set {self.key}: off")
+        for layer in self.cache.layers:  # every layer writes at the forward's columns (write_cols): no per-layer arange
+            layer.update = functools.partial(self._write, layer)
         self.B, self.S = batch_size, S
         self.W = S  # the columns the forwards attend over, [0, W): set per generation by prefill (attend)
         self.reallocations += 1
@@ -247,13 +289,25 @@ class FastTarget:
 
     # -- the forwards -------------------------------------------------------------------
 
+    def _write(self, layer, key_states, value_states, *args, **kwargs):
+        """StaticLayer.update at this forward's columns past .. past + N - 1 (write_cols, made once per
+        forward): transformers' own makes them in every layer (an arange and an add) and advances the
+        layer's cumulative_length (one more kernel), which _forward sets for every forward anyway."""
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        cols = self.write_cols[:key_states.shape[-2]]
+        layer.keys.index_copy_(2, cols, key_states)
+        layer.values.index_copy_(2, cols, value_states)
+        return layer.keys, layer.values
+
     def _forward(self, ids, pos, past, mask):
         """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, W] over
         the cache's first W <= S columns. The attention is decode_attention with the boolean mask,
         over those W columns (attn_configs switched for this forward only: other users of the model
         keep theirs), else transformers' with an additive mask over all S."""
-        for layer in self.cache.layers:
+        for layer in self.cache.layers:  # (read by a model only when no position_ids are given; kept right)
             layer.cumulative_length.copy_(past)
+        self.write_cols = past + self.cols[:ids.shape[1]]  # where every layer writes this forward's rows
         kw = dict(past_key_values=self.cache, position_ids=pos, use_cache=True)
         if not self.attn_configs:
             if mask.shape[-1] < self.S:
