@@ -18,6 +18,8 @@ The round's own logic is everything except `verify` (the target's forward with i
     python benchmarks/count_round_ops.py --batch 4 --arch llama
     python benchmarks/count_round_ops.py --compile_round on       # the round's pure parts compiled (inductor)
     python benchmarks/count_round_ops.py --out counts.json
+
+It also counts one plain decoding step and one drafter step (one row per sequence) on the same path.
 """
 from __future__ import annotations
 
@@ -123,6 +125,30 @@ def count(events, rounds: int, top: int = 5) -> dict:
     return out
 
 
+def kernels_of(fn, top: int) -> tuple[float, list]:
+    """(kernels, the most frequent) of one call of fn, profiled after a warm-up call."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    c = count(prof.events(), 1, top)["other"]
+    return c["kernels"], c["top"]
+
+
+@torch.inference_mode()
+def step_counts(ft: FastTarget, fd: FastDraft, prompts: list[list[int]], top: int) -> dict:
+    """Kernels of one plain decoding step (a generation of 33 new tokens less one of 1: no prefill) and
+    of one drafter step over one row per sequence on its static cache (FastDraft.step)."""
+    k33, top33 = kernels_of(lambda: ft.plain(prompts, 33), top)
+    k1, _ = kernels_of(lambda: ft.plain(prompts, 1), top)
+    d, B = fd.drafter, len(prompts)
+    cache = fd.reset(B, 64)
+    ids, pos = torch.zeros(B, 1, dtype=torch.long), torch.full((B, 1), 20)
+    hidden, mask = torch.randn(B, 1, d.cfg.hidden_size), torch.ones(B, 1, cache.size, dtype=torch.bool)
+    kd, topd = kernels_of(lambda: fd.step(ids, hidden, pos, mask, torch.tensor(20)), top)
+    return {"plain_step": {"kernels": round((k33 - k1) / 32, 1), "top_33_tokens": top33},
+            "draft_step": {"kernels": kd, "top": topd}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="deepseek_v3")
@@ -131,7 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max_new_tokens", type=int, default=48)
     ap.add_argument("--compile_round", default="off", choices=["off", "on"])
     ap.add_argument("--top", type=int, default=5, help="kernels listed per phase")
-    ap.add_argument("--methods", nargs="+", default=["chain", "tree"])
+    ap.add_argument("--methods", nargs="*", default=["chain", "tree"])
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -149,6 +175,9 @@ def main(argv=None) -> int:
     shapes = {m: SHAPES[m] for m in a.methods}
     result = {"arch": a.arch, "layers": a.layers, "batch": a.batch, "compile_round": a.compile_round,
               "torch": torch.__version__, "methods": {}}
+    result.update(step_counts(ft, fd, prompts, a.top))
+    print(f"plain step: {result['plain_step']['kernels']} kernels; drafter step (one row): "
+          f"{result['draft_step']['kernels']} kernels {result['draft_step']['top']}", flush=True)
     for name, (topk, budget, depth) in shapes.items():
         def run(n):
             prop = Eagle3Proposer(drafter, topk=topk, budget=budget, fast=fd)
