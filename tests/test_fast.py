@@ -20,7 +20,7 @@ from draftsmith.speculate.proposer import PerSequence
 from draftsmith.speculate.verify import plain_generate
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS, CAPTURES, Graphed
 from draftsmith.speculate.eagle3 import FastDraft
-from draftsmith.speculate.fast import FastTarget, resolve_mode
+from draftsmith.speculate.fast import FastTarget, in_stack, resolve_mode
 from draftsmith.speculate.tree import pick_on_device
 from draftsmith.speculate.ngram import NgramProposer
 from draftsmith.target.model import load_target
@@ -264,6 +264,24 @@ def test_graphed_disabled_and_row_limit_run_eagerly():
     g = Graphed(lambda x: calls.append(x.shape) or x * 2, enabled=True, max_rows=2)
     assert g(torch.ones(1, 3)).sum() == 6  # over max_rows: eager even when enabled (no CUDA needed)
     assert len(calls) == 2 and not g.graphs
+
+
+def test_layers_live_in_two_stacks(target, plains, fitted):
+    """The target's per-layer keys and values are views of two stacks from their allocation on (no copy,
+    no cache held twice): a chain's column moves go through them and the output equals plain decoding.
+    A layer of another shape (here one column more) gives the stacks up: every layer holds its own
+    tensors, with what they held, and decoding stays lossless."""
+    ft = FastTarget(target, "static")
+    out, _ = generate(target, Eagle3Proposer(fitted, topk=1, budget=4), PROMPTS[:2], 24, depth=4, fast=ft)
+    assert out == plains[:2]
+    keys, values = ft.stacked
+    assert all(in_stack(l.keys, keys) and in_stack(l.values, values) for l in ft.cache.layers)
+    ft = FastTarget(target, "static", batch_size=2)  # the cache these prompts use (not re-made by the prefill)
+    ft.cache.layers[-1].max_cache_len += 1  # the last: the layers before it were adopted already
+    out, _ = generate(target, Eagle3Proposer(fitted, topk=1, budget=4), PROMPTS[:2], 24, depth=4, fast=ft)
+    assert out == plains[:2] and ft.stacked == ()
+    storages = {t.untyped_storage().data_ptr() for l in ft.cache.layers for t in (l.keys, l.values)}
+    assert len(storages) == 2 * len(ft.cache.layers)
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])

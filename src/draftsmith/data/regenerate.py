@@ -116,8 +116,7 @@ class LocalGenerator:
         self.max_len = recipe.prepare.max_length + self.cfg.max_new_tokens
         self.fast = None if mode == "off" else fast_target_or_none(
             self.target, mode, self.cfg.fast, "regenerate.fast", "transformers generate",
-            batch_size=self.cfg.batch_size, max_len=self.max_len,
-            stack=False)  # plain decoding moves no cache columns: no stacked copy (it would double the cache for a moment)
+            batch_size=self.cfg.batch_size, max_len=self.max_len)
         self.path = mode if self.fast is not None else "generate"
 
     def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list]) -> list[Answer]:

@@ -8,7 +8,6 @@
     CAPTURE_FALLBACKS      every capture that failed in this process (its call then runs eagerly)
     CAPTURES               how many graphs this process captured (a timed run that moved it paid for one)
     StaticDraftCache       the drafter's preallocated KV cache (graphed drafting steps write into it)
-    stack_layers           a static cache's per-layer key/value tensors as views of one tensor each
 """
 from __future__ import annotations
 
@@ -84,28 +83,6 @@ def copy_columns(tensors: Sequence[torch.Tensor], b, src, dst) -> None:
     scatter); all sources are read before any is written. Graph-safe with device indices."""
     for t in tensors:
         t[..., b, :, dst, :] = t[..., b, :, src, :]
-
-
-def stack_layers(layers: Sequence[Any]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """Make the initialized key and value tensors of a static cache's layers views of two stacked
-    tensors [layers, B, heads, S, d] (their contents copied), so that moving columns in every layer is
-    one gather and one scatter per stack instead of two per layer and tensor. Returns the stacks, or
-    None (nothing changed) when the layers differ in shape or dtype. While the stacks are filled the
-    old tensors are still held: the keys' (then the values') memory, twice, for a moment."""
-    if not all(getattr(layer, "is_initialized", False) for layer in layers):
-        return None
-    for name in ("keys", "values"):
-        ts = [getattr(layer, name) for layer in layers]
-        if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype or t.device != ts[0].device for t in ts):
-            return None
-    stacks = []
-    for name in ("keys", "values"):  # one at a time: the extra memory is the keys' (or values') copy, not both
-        stack = torch.stack([getattr(layer, name) for layer in layers])
-        for i, layer in enumerate(layers):
-            setattr(layer, name, stack[i])
-            torch._dynamo.mark_static_address(stack[i])  # as transformers marks its own (compiled forwards)
-        stacks.append(stack)
-    return stacks[0], stacks[1]
 
 
 CAPTURE_FALLBACKS: list[str] = []
@@ -229,6 +206,7 @@ class StaticDraftCache:
         self.rope = rope
         self.k, self.v = self.kv[0], self.kv[1]  # views of one buffer: a column move is one copy of both
         self.write_at = torch.zeros((), dtype=torch.long, device=device)
+        self.steps = torch.arange(max_len, device=device)  # append's column offsets, made once (a kernel less a step)
         self.length = 0
 
     @property
@@ -236,7 +214,7 @@ class StaticDraftCache:
         return self.k.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
-        idx = self.write_at + torch.arange(k.shape[2], device=k.device)
+        idx = self.write_at + self.steps[:k.shape[2]]
         self.k.index_copy_(2, idx, k)
         self.v.index_copy_(2, idx, v)
         return self.k, self.v

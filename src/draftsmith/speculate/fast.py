@@ -33,7 +33,7 @@ import torch
 from ..artifacts import DraftsmithError, log
 from ..draft.attention import decode_attention
 from ..target.model import Target, TargetOutput
-from .cache import Graphed, additive, capture, copy_columns, h2d, reseed, stack_layers
+from .cache import Graphed, additive, capture, copy_columns, h2d, reseed
 from .tree import committed_columns, device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
@@ -224,17 +224,21 @@ def decode_attention_configs(model: torch.nn.Module) -> list:
             c._attn_implementation_internal = impl
 
 
+def in_stack(t: torch.Tensor, stack: torch.Tensor) -> bool:
+    """Whether t is a view of stack (its storage; a view made under inference mode keeps no _base)."""
+    return t.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+
+
 class FastTarget:
     """The target over a static KV cache, optionally CUDA-graphed. Same interface as
     verify.EagerVerifier (prefill, verify, keep, past: host tensors in, what the host loop calls), plus
     the graph-safe pieces the resident round calls inside its own graph: verify_rows, move_columns."""
 
     def __init__(self, target: Target, mode: str = "graphs", batch_size: int = 1, max_len: int = 2048,
-                 key: str = "evaluate.fast", stack: bool = True):
+                 key: str = "evaluate.fast"):
         if mode not in MODES[1:]:
             raise ValueError(f"FastTarget mode {mode!r}: one of {MODES[1:]}")
         self.target, self.mode, self.device, self.key = target, mode, target.device, key  # key: the recipe field, for messages
-        self.stack = stack  # stack the layers' KV after the first prefill (cheap column moves); plain-only users skip it
         self.graphs = mode in ("graphs", "compile") and graph_safe_experts(target.model)
         self.fn = self._forward
         self.attn_configs = decode_attention_configs(target.model)  # [] = transformers' attention, additive mask
@@ -272,7 +276,7 @@ class FastTarget:
         self.keep_g = Graphed(self.move_columns, self.graphs)
         self.plain_graphs: dict[tuple, Any] = {}
         self.past = 0
-        self.stacked: Optional[tuple] = None  # the layers' keys and values stacked (stack_layers), after a prefill
+        self.stacked: Optional[tuple] = None  # every layer's keys and values as views of two stacks (_adopt); () = none
 
     def attend(self, needed: int) -> int:
         """The attention width for a generation that uses `needed` columns: the smallest of 256, 512,
@@ -295,10 +299,34 @@ class FastTarget:
         layer's cumulative_length (one more kernel), which _forward sets for every forward anyway."""
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
+            self._adopt(layer)
         cols = self.write_cols[:key_states.shape[-2]]
         layer.keys.index_copy_(2, cols, key_states)
         layer.values.index_copy_(2, cols, value_states)
         return layer.keys, layer.values
+
+    def _adopt(self, layer) -> None:
+        """A layer's keys and values, just allocated by transformers (zeros, in the first forward), become
+        views of two stacks [layers, B, heads, S, d] made at the first layer's allocation, and its own
+        tensors are freed: moving the accepted columns in every layer is then one gather and one scatter
+        per stack (copy_columns), not two per layer and tensor, and no cache is ever held twice. A layer
+        of another shape, dtype or device: no stacks (every layer its own tensors again)."""
+        if self.stacked is not None and not self.stacked:
+            return
+        own = (layer.keys, layer.values)
+        if self.stacked is None:
+            n = len(self.cache.layers)
+            self.stacked = tuple(torch.zeros((n,) + t.shape, dtype=t.dtype, device=t.device) for t in own)
+        i = self.cache.layers.index(layer)
+        if any(t.shape != s.shape[1:] or t.dtype != s.dtype or t.device != s.device for t, s in zip(own, self.stacked)):
+            for other in self.cache.layers:  # layers adopted before this one get tensors of their own back
+                if other.is_initialized and other is not layer and in_stack(other.keys, self.stacked[0]):
+                    other.keys, other.values = other.keys.clone(), other.values.clone()
+            self.stacked = ()
+            return
+        layer.keys, layer.values = self.stacked[0][i], self.stacked[1][i]
+        for t in (layer.keys, layer.values):
+            torch._dynamo.mark_static_address(t)  # as transformers marks its own (compiled forwards)
 
     def _forward(self, ids, pos, past, mask):
         """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, W] over
@@ -357,8 +385,6 @@ class FastTarget:
                 self.attn_configs = []
                 logits, aux, final = self._forward(ids, pos, h2d(0, ids.device), mask)
             self.attn_checked = True
-        if self.stacked is None:  # the layers' tensors exist now (transformers allocates them in the first forward)
-            self.stacked = (stack_layers(self.cache.layers) if self.stack else None) or ()
         self.past = P
         return TargetOutput(logits=logits, aux_hidden=aux, final_hidden=final)
 
