@@ -266,6 +266,34 @@ def test_graphed_disabled_and_row_limit_run_eagerly():
     assert len(calls) == 2 and not g.graphs
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_rotaries_rotate_q_and_k_together_bit_for_bit(tmp_path, arch, monkeypatch):
+    """FastTarget replaces the modeling file's rotary functions by joint ones (q and k rotated as one
+    tensor: about half the kernels): the logits keep every bit; a rotary function that does something
+    else keeps its own; other call forms take the original."""
+    import sys
+    from draftsmith.speculate.fast import ROTATIONS, join_rotaries
+
+    target = load_target(make_model_dir(tmp_path, arch=arch, num_layers=2), device="cpu", dtype="float32")
+    mod = sys.modules[type(target.model).__module__]
+    for name in ROTATIONS:  # the originals, should an earlier test of this process have joined them
+        f = getattr(mod, name, None)
+        if f is not None:
+            monkeypatch.setattr(mod, name, getattr(f, "__wrapped__", f))
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = target.forward(ids).logits
+        assert join_rotaries(target.model) >= 1 and join_rotaries(target.model) == 0
+        assert torch.equal(target.forward(ids).logits, before)
+    used = "apply_rotary_pos_emb_interleave" if getattr(target.model.config, "rope_interleave", False) else "apply_rotary_pos_emb"
+    joint = getattr(mod, used)
+    assert joint.draftsmith_joint
+    q, k, cos, sin = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8)  # [B, N, H, D]
+    torch.testing.assert_close(joint(q, k, cos, sin, unsqueeze_dim=2), joint.__wrapped__(q, k, cos, sin, unsqueeze_dim=2))
+    monkeypatch.setattr(mod, used, lambda q, k, cos, sin, unsqueeze_dim=1: (q * cos[:, None], k * sin[:, None]))
+    assert join_rotaries(target.model) == 0  # not the rotation it claims to be: kept
+
+
 def test_layers_live_in_two_stacks(target, plains, fitted):
     """The target's per-layer keys and values are views of two stacks from their allocation on (no copy,
     no cache held twice): a chain's column moves go through them and the output equals plain decoding.

@@ -144,6 +144,78 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     return n
 
 
+def _standard_rotation(mod) -> Optional[Callable]:
+    """transformers' apply_rotary_pos_emb on one tensor (its own rotate_half), cos/sin unsqueezed."""
+    rotate_half = getattr(mod, "rotate_half", None)
+    return None if rotate_half is None else (lambda x, cos, sin: (x * cos) + (rotate_half(x) * sin))
+
+
+def _interleaved_rotation(mod) -> Callable:
+    """transformers' apply_rotary_pos_emb_interleave (DeepSeek's pairs) on one tensor, cos/sin unsqueezed."""
+    def rotate(x, cos, sin):
+        cos, sin = cos[..., :cos.shape[-1] // 2], sin[..., :sin.shape[-1] // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotate
+
+
+ROTATIONS = {"apply_rotary_pos_emb": _standard_rotation, "apply_rotary_pos_emb_interleave": _interleaved_rotation}
+"""The rotary functions of transformers' modeling files, and what each does to one tensor."""
+
+
+def joint_rotary(orig: Callable, rotate: Callable) -> Callable:
+    """A rotary function (q, k, cos, sin) that rotates q and k together: one rotation of cat(q, k) along
+    the heads, then split. The same elementwise ops on the same values, so the same bits, in about half
+    the kernels (a cat and one rotation, not two rotations of five or seven kernels each). Other call
+    forms (another unsqueeze_dim, position_ids, unlike shapes) take orig."""
+    @functools.wraps(orig)
+    def rotary(q, k, cos, sin, *args, **kwargs):
+        if (args or any(v != 1 for v in kwargs.values()) or set(kwargs) - {"unsqueeze_dim"} or q.dim() != 4
+                or k.dim() != 4 or q.dtype != k.dtype or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]):
+            return orig(q, k, cos, sin, *args, **kwargs)
+        x = rotate(torch.cat([q, k], 1), cos.unsqueeze(1), sin.unsqueeze(1))
+        return x[:, :q.shape[1]], x[:, q.shape[1]:]
+    rotary.draftsmith_joint = True
+    return rotary
+
+
+def join_rotaries(model: torch.nn.Module) -> int:
+    """Replace, in the modeling file of each attention module of the model, the rotary functions
+    (ROTATIONS) by joint_rotary's, after checking on random inputs (the model's dtype and device,
+    grouped KV heads) that they give the same bits; a function that does not (another version's
+    code, another rotation) keeps its own.
+    Process-wide, like compile_regions' patch of the same functions: every model of that file gains,
+    none changes. Returns the number of functions replaced."""
+    import sys
+
+    p = next(model.parameters(), None)
+    if p is None or p.device.type == "meta":
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, h, 3, 16, generator=gen).to(device=p.device, dtype=p.dtype) for h in (4, 2))
+    cos, sin = (torch.randn(2, 3, 16, generator=gen).to(device=p.device, dtype=p.dtype) for _ in range(2))
+    n, seen = 0, set()
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        if "Attention" not in type(m).__name__ or mod is None or mod in seen:
+            continue
+        seen.add(mod)
+        for name, rotation in ROTATIONS.items():
+            orig, rotate = getattr(mod, name, None), rotation(mod)
+            if not callable(orig) or rotate is None or getattr(orig, "draftsmith_joint", False):
+                continue
+            joint = joint_rotary(orig, rotate)
+            try:
+                with torch.no_grad():
+                    same = all(torch.equal(a, b) for a, b in zip(orig(q, k, cos, sin), joint(q, k, cos, sin)))
+            except Exception:  # another signature: left as it is
+                same = False
+            if same:
+                setattr(mod, name, joint)
+                n += 1
+    return n
+
+
 def compile_regions(model: torch.nn.Module) -> int:
     """torch.compile the model's pure regions in place: every *RMSNorm and dense *MLP module and
     the attention's rotary function (the many small kernels of a decode step; fused, they leave the
@@ -244,6 +316,7 @@ class FastTarget:
         self.attn_configs = decode_attention_configs(target.model)  # [] = transformers' attention, additive mask
         self.attn_checked = False
         fuse_rms_norms(target.model)
+        join_rotaries(target.model)
         if mode == "compile":
             compile_regions(target.model)
         self.B = self.S = 0
