@@ -111,3 +111,21 @@ def test_drafter_step_with_a_table_equals_the_computed_one():
     torch.testing.assert_close(m(ids, h, pos, tabled), plain, rtol=0, atol=1e-5)
     tabled.rope = torch.zeros_like(tabled.rope)  # the table is really what rotates
     assert not torch.allclose(m(ids, h, pos, DraftKVCache()), m(ids, h, pos, tabled), atol=1e-3)
+
+
+def test_q_and_k_rotated_together_keep_their_bits():
+    """Eagle3Attention.qkv rotates q and k as one tensor (fewer kernels a step): the same bits as rotating
+    each by itself."""
+    from draftsmith.draft.model import apply_rope
+
+    cfg = drafter_config(target_config(SCALINGS["yarn"]), DraftConfig(), 32, [1, 2, 3])
+    torch.manual_seed(0)
+    attn = Eagle3Drafter(cfg).eval().midlayer.self_attn
+    x, pos = torch.randn(2, 5, 2 * cfg.hidden_size), torch.tensor([[0, 1, 2, 900, 3000]] * 2)
+    q, k, v = attn.qkv(x, pos)
+    cos, sin = rope_cos_sin(pos, cfg, torch.float32)
+    B, T = 2, 5
+    q0 = attn.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+    k0 = attn.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+    assert torch.equal(q, apply_rope(q0, cos, sin)) and torch.equal(k, apply_rope(k0, cos, sin))
+    assert q.shape == (B, cfg.num_attention_heads, T, cfg.head_dim) and k.shape == (B, cfg.num_key_value_heads, T, cfg.head_dim)

@@ -102,7 +102,8 @@ class Eagle3Attention(nn.Module):
             cos, sin = rope_cos_sin(position_ids, c, q.dtype)  # honours cfg.rope_scaling
         else:
             cos, sin = table[:, position_ids].unbind(0)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        qk = apply_rope(torch.cat([q, k], 1), cos, sin)  # q and k rotated as one tensor: the same bits, fewer kernels
+        return qk[:, :c.num_attention_heads], qk[:, c.num_attention_heads:], v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         B, nh, T, hd = o.shape
