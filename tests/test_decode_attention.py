@@ -1,6 +1,6 @@
 """draft.attention.decode_attention (the decoding steps' attention, kernel by row count) equals the
 attention math on every branch, and the fast path's target runs it through transformers'
-AttentionInterface (speculate.fast.hf_decode_attention) with the same logits as transformers' sdpa."""
+AttentionInterface (speculate.hfmodel.hf_decode_attention) with the same logits as transformers' sdpa."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import draftsmith.speculate.fast as fast
+import draftsmith.speculate.hfmodel as hfmodel
 from draftsmith.draft.attention import FOLD_ROWS, decode_attention, decode_kernel
 from draftsmith.speculate.cache import additive
 from draftsmith.speculate.tree import committed_columns, device_tree_mask
@@ -130,9 +131,9 @@ def test_fast_target_attention_equals_sdpa(target, rows):
     logits (additive mask); the switch lasts one forward: the model's configs say sdpa after it."""
     ft = fast.FastTarget(target, "static")
     assert ft.attn_configs and all(c._attn_implementation == "sdpa" for c in ft.attn_configs)
-    calls = fast.DECODE_ATTENTION_CALLS[0]
+    calls = hfmodel.DECODE_ATTENTION_CALLS[0]
     got = forwards(ft, rows)
-    assert fast.DECODE_ATTENTION_CALLS[0] > calls
+    assert hfmodel.DECODE_ATTENTION_CALLS[0] > calls
     assert target.model.config._attn_implementation == "sdpa"
     assert all(c._attn_implementation == "sdpa" for c in ft.attn_configs)
     ref_ft = fast.FastTarget(target, "static")
@@ -149,14 +150,14 @@ def test_unhandled_arguments_take_transformers_sdpa():
         num_key_value_groups, is_causal = 2, True
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g)
-    calls = fast.DECODE_ATTENTION_CALLS[0]
-    out, _ = fast.hf_decode_attention(Module(), q, k, v, None, scaling=0.5)
+    calls = hfmodel.DECODE_ATTENTION_CALLS[0]
+    out, _ = hfmodel.hf_decode_attention(Module(), q, k, v, None, scaling=0.5)
     torch.testing.assert_close(out, sdpa_attention_forward(Module(), q, k, v, None, scaling=0.5)[0])
     mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
-    fast.hf_decode_attention(Module(), q, k, v, mask, scaling=0.5, s_aux=torch.zeros(4))
-    assert fast.DECODE_ATTENTION_CALLS[0] == calls
-    out, _ = fast.hf_decode_attention(Module(), q, k, v, mask, scaling=0.5)  # handled: the causal mask, same result
-    assert fast.DECODE_ATTENTION_CALLS[0] == calls + 1
+    hfmodel.hf_decode_attention(Module(), q, k, v, mask, scaling=0.5, s_aux=torch.zeros(4))
+    assert hfmodel.DECODE_ATTENTION_CALLS[0] == calls
+    out, _ = hfmodel.hf_decode_attention(Module(), q, k, v, mask, scaling=0.5)  # handled: the causal mask, same result
+    assert hfmodel.DECODE_ATTENTION_CALLS[0] == calls + 1
     torch.testing.assert_close(out, sdpa_attention_forward(Module(), q, k, v, None, scaling=0.5)[0], rtol=1e-5, atol=1e-5)
 
 
@@ -182,5 +183,5 @@ def test_a_model_transformers_cannot_switch_is_left_alone(target, monkeypatch):
     from transformers import PreTrainedModel
 
     monkeypatch.setattr(PreTrainedModel, "_can_set_attn_implementation", classmethod(lambda cls: False))
-    assert fast.decode_attention_configs(target.model) == []
+    assert hfmodel.decode_attention_configs(target.model) == []
     assert target.model.config._attn_implementation == "sdpa"

@@ -272,7 +272,7 @@ def test_rotaries_rotate_q_and_k_together_bit_for_bit(tmp_path, arch, monkeypatc
     tensor: about half the kernels): the logits keep every bit; a rotary function that does something
     else keeps its own; other call forms take the original."""
     import sys
-    from draftsmith.speculate.fast import ROTATIONS, join_rotaries
+    from draftsmith.speculate.hfmodel import ROTATIONS, join_rotaries
 
     target = load_target(make_model_dir(tmp_path, arch=arch, num_layers=2), device="cpu", dtype="float32")
     mod = sys.modules[type(target.model).__module__]
@@ -317,7 +317,7 @@ def test_standard_rms_norms_run_torchs_kernel(tmp_path, arch):
     """FastTarget switches the target's standard RMSNorms to torch's rms_norm (one kernel on CUDA):
     every one of them (MLA's q/kv norms too), once, the logits unchanged in float32; a variant whose
     forward is not the standard one (Gemma's 1 + weight) keeps its own."""
-    from draftsmith.speculate.fast import fuse_rms_norms
+    from draftsmith.speculate.hfmodel import fuse_rms_norms
 
     target = load_target(make_model_dir(tmp_path, arch=arch, num_layers=2), device="cpu", dtype="float32")
     norms = [m for m in target.model.modules() if type(m).__name__.endswith("RMSNorm")]
@@ -345,7 +345,7 @@ def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
     """The compile mode's regional torch.compile (norms, MLPs, rotary) runs on a CPU too (without
     CUDA graphs): same greedy tokens as eager."""
     pytest.importorskip("torch._inductor")
-    from draftsmith.speculate.fast import compile_regions
+    from draftsmith.speculate.hfmodel import compile_regions
 
     path = make_model_dir(tmp_path, num_layers=2)
     target = load_target(path, device="cpu", dtype="float32")

@@ -237,7 +237,7 @@ class FastDraft:
 
     def __init__(self, drafter: Any, graphs: bool, max_rows: int = 64, compile: bool = False):
         self.drafter, self.graphs, self.max_rows = drafter, graphs, max_rows
-        if compile:  # evaluate.fast: compile -- the drafter's pure regions too, as the target's (fast.compile_regions)
+        if compile:  # evaluate.fast: compile -- the drafter's pure regions too, as the target's (hfmodel.compile_regions)
             drafter.compile_regions()
         self.cache: Optional[StaticDraftCache] = None
         self.step = Graphed(self._step, graphs, max_rows)
