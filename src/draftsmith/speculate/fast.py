@@ -162,6 +162,8 @@ class FastTarget:
             layer.lazy_initialization(key_states, value_states)
             self._adopt(layer)
         cols = self.write_cols[:key_states.shape[-2]]
+        if cols.device != layer.keys.device:  # a target spread over devices (device_map): this layer's copy
+            cols = cols.to(layer.keys.device)
         layer.keys.index_copy_(2, cols, key_states)
         layer.values.index_copy_(2, cols, value_states)
         return layer.keys, layer.values
