@@ -296,7 +296,8 @@ def test_rotaries_rotate_q_and_k_together_bit_for_bit(tmp_path, arch, monkeypatc
 
 def test_layers_live_in_two_stacks(target, plains, fitted):
     """The target's per-layer keys and values are views of two stacks from their allocation on (no copy,
-    no cache held twice): a chain's column moves go through them and the output equals plain decoding.
+    no cache held twice), and their lengths one tensor: a chain's column moves go through them and the
+    output equals plain decoding.
     A layer of another shape (here one column more) gives the stacks up: every layer holds its own
     tensors, with what they held, and decoding stays lossless."""
     ft = FastTarget(target, "static")
@@ -304,6 +305,8 @@ def test_layers_live_in_two_stacks(target, plains, fitted):
     assert out == plains[:2]
     keys, values = ft.stacked
     assert all(in_stack(l.keys, keys) and in_stack(l.values, values) for l in ft.cache.layers)
+    assert all(l.cumulative_length is ft.length for l in ft.cache.layers)  # one length, set once a forward
+    assert 0 < int(ft.cache.get_seq_length()) == int(ft.length) < ft.S
     ft = FastTarget(target, "static", batch_size=2)  # the cache these prompts use (not re-made by the prefill)
     ft.cache.layers[-1].max_cache_len += 1  # the last: the layers before it were adopted already
     out, _ = generate(target, Eagle3Proposer(fitted, topk=1, budget=4), PROMPTS[:2], 24, depth=4, fast=ft)

@@ -133,6 +133,7 @@ class FastTarget:
         self.W = S  # the columns the forwards attend over, [0, W): set per generation by prefill (attend)
         self.reallocations += 1
         self.cols = torch.arange(S, device=self.device)
+        self.length = torch.zeros((), dtype=torch.long, device=self.device)  # every layer's cumulative_length (_write)
         self.verify_g = Graphed(self.verify_rows, self.graphs)
         self.keep_g = Graphed(self.move_columns, self.graphs)
         self.plain_graphs: dict[tuple, Any] = {}
@@ -157,10 +158,14 @@ class FastTarget:
     def _write(self, layer, key_states, value_states, *args, **kwargs):
         """StaticLayer.update at this forward's columns past .. past + N - 1 (write_cols, made once per
         forward): transformers' own makes them in every layer (an arange and an add) and advances the
-        layer's cumulative_length (one more kernel), which _forward sets for every forward anyway."""
+        layer's cumulative_length (one more kernel). The layers' cumulative_length is one shared tensor
+        (self.length, set to past by each forward: one kernel, not one per layer), read by a model only
+        when no position_ids are given; a layer on another device keeps its own, set per forward."""
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
             self._adopt(layer)
+            if layer.cumulative_length.device == self.length.device:
+                layer.cumulative_length = self.length
         cols = self.write_cols[:key_states.shape[-2]]
         if cols.device != layer.keys.device:  # a target spread over devices (device_map): this layer's copy
             cols = cols.to(layer.keys.device)
@@ -196,8 +201,10 @@ class FastTarget:
         the cache's first W <= S columns. The attention is decode_attention with the boolean mask,
         over those W columns (attn_configs switched for this forward only: other users of the model
         keep theirs), else transformers' with an additive mask over all S."""
-        for layer in self.cache.layers:  # (read by a model only when no position_ids are given; kept right)
-            layer.cumulative_length.copy_(past)
+        self.length.copy_(past)
+        for layer in self.cache.layers:  # layers of their own length: on another device (device_map)
+            if layer.is_initialized and layer.cumulative_length is not self.length:
+                layer.cumulative_length.copy_(past)
         self.write_cols = past + self.cols[:ids.shape[1]]  # where every layer writes this forward's rows
         kw = dict(past_key_values=self.cache, position_ids=pos, use_cache=True)
         if not self.attn_configs:
