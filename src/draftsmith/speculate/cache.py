@@ -196,7 +196,8 @@ class StaticDraftCache:
     column `write_at` (a device scalar, so a graph can replay it) and returns the whole buffers;
     the caller's mask hides the columns it must not see. `length` is the host's bookkeeping.
     `rope` (draft.rope.rope_table, or None) is the rotation of positions 0..S-1: a row's position is
-    at most its column, so the drafter looks its rows up there."""
+    at most its column, so the drafter looks its rows up there. `cols` = arange(S), made once: the
+    columns a write offsets from and a device mask is built over."""
 
     static = True
 
@@ -206,7 +207,7 @@ class StaticDraftCache:
         self.rope = rope
         self.k, self.v = self.kv[0], self.kv[1]  # views of one buffer: a column move is one copy of both
         self.write_at = torch.zeros((), dtype=torch.long, device=device)
-        self.steps = torch.arange(max_len, device=device)  # append's column offsets, made once (a kernel less a step)
+        self.cols = torch.arange(max_len, device=device)
         self.length = 0
 
     @property
@@ -214,7 +215,7 @@ class StaticDraftCache:
         return self.k.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
-        idx = self.write_at + self.steps[:k.shape[2]]
+        idx = self.write_at + self.cols[:k.shape[2]]
         self.k.index_copy_(2, idx, k)
         self.v.index_copy_(2, idx, v)
         return self.k, self.v

@@ -179,7 +179,7 @@ class Eagle3Proposer:
         """A `step` for `expand` on the static cache with no host values: the mask is built on the
         device from start/end/past (a 0-d tensor) and the rows are written at past + fed."""
         c, d = self.cache, self.drafter
-        committed = committed_columns(torch.arange(c.size, device=past.device), start, end)  # the same at every depth
+        committed = committed_columns(c.cols, start, end)  # the same at every depth
 
         def step(tok, hidden, pos, anc, fed):
             c.write_at.copy_(past + fed)

@@ -102,6 +102,14 @@ def ancestry(prow, row_valid, D: int):
     return anc & (row_valid[:, :, None] | eye)
 
 
+def cut_at_eos(committed, in_path, n_acc, eos):
+    """(tokens emitted per sequence: its n_acc + 1 committed ones, cut after the first EOS among them;
+    whether it hit EOS), the tail of both acceptances."""
+    is_eos = (committed[:, :, None] == eos).any(-1) & in_path
+    hit = is_eos.any(1)
+    return torch.where(hit, is_eos.int().argmax(1) + 1, n_acc + 1), hit
+
+
 def accept(picked, ids, prow, row_valid, anc, eos, T: int):
     """Acceptance against the target's token at every row, `picked` [B, N]: its argmax (greedy), or one
     draw per row (tree.sample_race). A row is accepted when it and every ancestor below the root hold the
@@ -120,10 +128,7 @@ def accept(picked, ids, prow, row_valid, anc, eos, T: int):
     in_path = torch.arange(T, device=ids.device)[None] <= n_acc[:, None]
     path = torch.where(in_path, path, 0)
     committed = picked.gather(1, path)                                           # the token after each path row
-    is_eos = (committed[:, :, None] == eos).any(-1) & in_path
-    hit = is_eos.any(1)
-    n_emit = torch.where(hit, is_eos.int().argmax(1) + 1, n_acc + 1)
-    return n_acc, path, committed, n_emit, hit
+    return (n_acc, path, committed) + cut_at_eos(committed, in_path, n_acc, eos)
 
 
 def accept_sampled_chain(logits, ids, row_valid, q_all, u, e, eos, temperature: float, T: int):
@@ -151,10 +156,7 @@ def accept_sampled_chain(logits, ids, row_valid, q_all, u, e, eos, temperature: 
     in_path = steps[None] <= n_acc[:, None]
     path = torch.where(in_path, steps[None], 0)                                  # a chain's path: rows 0..n_acc
     committed = torch.where(steps[None] < n_acc[:, None], ids.gather(1, (path + 1).clamp(max=N - 1)), bonus[:, None])
-    is_eos = (committed[:, :, None] == eos).any(-1) & in_path
-    hit = is_eos.any(1)
-    n_emit = torch.where(hit, is_eos.int().argmax(1) + 1, n_acc + 1)
-    return n_acc, path, committed, n_emit, hit
+    return (n_acc, path, committed) + cut_at_eos(committed, in_path, n_acc, eos)
 
 
 def commit(st: dict, active, n_acc, path, committed, n_emit, hit, row_valid, depth, past, spare):
@@ -258,7 +260,7 @@ class Resident:
             "eos": h2d(list(eos_ids) or [-1], dev, L), "max_new": h2d(max_new, dev, L),
         }
         self.depth_c = h2d([1] * self.K + [dd for dd in range(2, depth + 1) for _ in range(self.K * self.K)], dev, L)
-        self.d_cols = torch.arange(prop.cache.size, device=dev)
+        self.d_cols = prop.cache.cols
         self.spare = h2d(ft.S - 1, dev, L)  # the target cache's scratch column
         self.t_cols = ft.cols[:ft.W]        # the columns the target's forwards attend over (FastTarget.attend)
         self.parts = round_parts(compile_round)
