@@ -15,9 +15,10 @@ draft vocab (our d2t/t2d), TTT depth and number of epochs. Two shims, both named
     (`verifier_norm`). The bench sets `verifier_norm` to the identity, so its targets are the
     target's own logits, exactly as ours.
   * on a CPU: its Trainer moves the model to `local_rank` (a CUDA index) and synchronises the
-    accelerator for step timing; both are pointed at the CPU. Its loss runs the "eager"
-    implementation (the fused one is a Triton kernel); the tests of speculators check that
-    both give the same values.
+    accelerator for step timing; both are pointed at the CPU.
+Its loss runs the "eager" implementation everywhere (`--peer-loss`): the fused one is a Triton
+kernel (no CPU), and on the H200 with torch 2.11 dynamo fails to trace it inside speculators'
+compiled forward; the tests of speculators check that both give the same values.
 Its checkpoint (save_pretrained, the vLLM format) is imported with `draftsmith import-drafter`,
 then both drafters go through the same measurement as benchmarks/bench_ablation.py: held-out
 teacher-forced acceptance per position on a capture of other conversations, and the measured
@@ -135,7 +136,7 @@ def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
     model.verifier_norm = torch.nn.Identity()  # our final states are post-norm already (module docstring)
     train_kw, val_kw = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=recipe.train.ttt_steps,
                                                            ttt_step_loss_decay=d["ttt_step_loss_decay"],
-                                                           loss_fn=d["loss_fn"], loss_implementation="fused" if cuda else "eager")
+                                                           loss_fn=d["loss_fn"], loss_implementation=args.peer_loss)
     ids = list(range(len(index)))
     total_seq_len = args.total_seq_len or recipe.train.batch_tokens
     loader = _setup_dataloader(capture_dataset(index, ids, total_seq_len, dtype), total_seq_len, int(m["hidden_size"]),
@@ -223,6 +224,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--benchmark", default="mtbench", help="evaluate.benchmarks entry: mtbench or a question file")
     p.add_argument("--draft-steps", type=int, default=5)
+    p.add_argument("--peer-loss", choices=("eager", "fused"), default="eager",
+                   help="speculators' loss implementation: eager (default; the same values, its tests check) or fused, "
+                        "its Triton kernel, which torch 2.11's dynamo fails to trace inside its compiled forward on the "
+                        "H200 (benchmarks/results/h200-2026-12-05-s7/B-peer.log)")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic target, one seed, no engine (CPU test)")
     p.add_argument("--out")
