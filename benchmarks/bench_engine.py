@@ -5,6 +5,8 @@ on an 8B-shaped target and an 8B-class EAGLE-3 drafter (issue 20 item 1).
                                                                               # measuring, ~200 s with the build
     python benchmarks/bench_engine.py --small --out /tmp/e.json               # CPU smoke: tiny dims, static caches
     python benchmarks/bench_engine.py --bound_only [--draft_steps 3]          # the ceiling below, anywhere (meta device)
+    python benchmarks/bench_engine.py --project benchmarks/results/h200-2026-12-05-s7/C-bench_engine.json
+                                       # the planner's chain speedup / tau by draft steps from that run's costs
 
 What is real and what is not
     target   a Llama-3-8B-shaped model (H 4096, 32 layers, 32 heads / 8 KV heads, MLP 14336, vocab 128256),
@@ -274,6 +276,24 @@ def kernel_profile(fn, per: int, top: int = 15) -> dict:
                     for k, ms, n in rows[:top]]}
 
 
+def project(run: dict) -> dict:
+    """The planner's chain speedup ÷ τ at τ = the run's tau_set for every draft-step count that can
+    commit it (τ - 1 .. the run's draft_steps), per batch size the run measured, from the run's own
+    measured costs (its planner_inputs: step costs per batch size and the round overhead measured on
+    its chain at its draft_steps, held fixed here -- the expansion's own logic per extra step is in
+    the drafter step's cost). A projection from measurements, not a measurement."""
+    tau, D = int(run["tau_set"]), int(run["draft_steps"])
+    costs = run["planner_inputs"][run["planner_loop"]]["planner"]
+    out = {}
+    for B in sorted(int(b) for b in run["runs"]):
+        row = {}
+        for k in range(max(tau - 1, 1), D + 1):
+            pred = predict([1.0] * (tau - 1) + [0.0] * (k - tau + 1), costs, [B], ks=[k], tree_budgets=[])["rows"][0]
+            row[str(k)] = round(pred["speedup"] / pred["tokens_per_step"], 4)
+        out[f"bs{B}"] = row
+    return {"tau_set": tau, "loop": run["planner_loop"], "speedup_over_tau_by_draft_steps": out}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny dims on the CPU (float32, static caches): a smoke run")
@@ -298,6 +318,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bound_only", action="store_true",
                     help="print the weight-bandwidth ceiling of speedup / tau (weight_bound) and stop: the models on "
                          "the meta device, no GPU, nothing timed")
+    ap.add_argument("--project", metavar="RUN_JSON", default=None,
+                    help="print the planner's chain speedup / tau by draft steps from that bench_engine run's measured "
+                         "costs (project) and stop: nothing timed")
     ap.add_argument("--no_cudnn_sdpa", action="store_true",
                     help="torch's cuDNN attention backend off (SDPA picks flash / memory-efficient / math instead)")
     a = ap.parse_args(argv)
@@ -308,6 +331,9 @@ def main(argv=None) -> int:
     if a.tau < 1 or a.tau > a.draft_steps + 1:
         print(f"--tau {a.tau}: needs 1 <= tau <= draft_steps + 1 ({a.draft_steps + 1})", file=sys.stderr)
         return 2
+    if a.project:
+        print(json.dumps(project(json.loads(Path(a.project).read_text())), indent=1))
+        return 0
     if a.bound_only:
         dtype = getattr(torch, a.dtype or "bfloat16")
         with torch.device("meta"):

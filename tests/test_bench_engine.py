@@ -166,3 +166,20 @@ def test_weight_bound_8b_golden(capsys):
     assert b["target_gb_per_step"] == pytest.approx(16.061, abs=1e-3)
     assert b["drafter_gb_per_step"] == pytest.approx(0.7487, abs=1e-4)
     assert b["by_draft_steps"]["3"] == pytest.approx(0.8725, abs=1e-4)
+
+
+def test_project_golden(tmp_path, capsys):
+    """--project: the chain's speedup / τ by draft steps from a run's measured costs, by hand. A target
+    forward of 10 ms for one row and 11 ms for 2..8 rows, a drafter step of 0.5 ms, a round overhead of
+    1 ms (no plain overhead): at τ 3 a chain of k steps costs 0.5 k + 11 + 1 ms a round for 3 tokens,
+    plain decoding 10 ms a token, so speedup / τ = 10 / (12 + 0.5 k): k = 2 -> 0.7692, 5 -> 0.6897."""
+    costs = {"target_forward_ms": {str(n): 10.0 if n == 1 else 11.0 for n in (1, 2, 4, 8)}, "draft_step_ms": 0.5,
+             "round_overhead_ms": 1.0, "plain_overhead_ms": 0.0, "by_batch": {}}
+    run = {"tau_set": 3, "draft_steps": 5, "planner_loop": "resident", "runs": {"1": {}},
+           "planner_inputs": {"resident": {"planner": costs}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert bench_engine.main(["--project", str(tmp_path / "run.json")]) == 0
+    got = json.loads(capsys.readouterr().out)["speedup_over_tau_by_draft_steps"]["bs1"]
+    assert list(got) == ["2", "3", "4", "5"]  # a chain commits at most k + 1 tokens: k >= τ - 1
+    for k, v in got.items():
+        assert v == pytest.approx(10 / (12 + 0.5 * int(k)), abs=1e-4)
