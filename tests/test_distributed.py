@@ -71,9 +71,9 @@ def _worker(rank, world, port, recipe, run_dir, crash_at):
         destroy_distributed(sync=ok)
     # The work is done and the group torn down: leave without the interpreter's finalization, where
     # gloo's worker threads, still holding tensors, now and then abort a spawned rank with SIGABRT
-    # (CI, 2026-12-05: test_online_two_ranks_match_one, rank 1 after its last checkpoint; not
-    # reproduced in 6 local runs; pytorch/pytorch#179291 describes the teardown race). What the test
-    # checks is on disk already; a rank that fails still raises above and spawn reports it.
+    # (CI, 2026-12-05: test_online_two_ranks_match_one, rank 1 aborted while rank 0 still ran; the log
+    # does not say where; not reproduced locally; pytorch/pytorch#179291 describes the teardown race).
+    # What the test checks is on disk already; a rank that fails still raises above and spawn reports it.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
