@@ -247,14 +247,16 @@ def main(argv=None) -> int:
         ours_dir = Path(args.work) / f"{args.ours_name}-s{seed}"
         ablation.link_stages(Path(args.base), ours_dir)
         recipe = ablation.recipe_for(args.recipe, ours_dir, seed, ours_flags)
+        theirs_dir = Path(args.work) / f"theirs-s{seed}"
+        ablation.link_stages(Path(args.base), theirs_dir)
+        # the peer trains first: a failure of its trainer (a dependency, a kernel) ends the run before ours
+        # spent its time (on the H200, 2026-12-05, it failed after ours had trained and been measured)
+        trained = trained_peer(args, recipe, seed, theirs_dir / "speculators")
         m = pipeline.run_stage("train", recipe)
         ours = measure(args, ours_dir, ours_flags, seed)
         ours.update(steps=m["counts"]["steps"], train_s=m["timings"].get("train_s_this_session"))
         result["ours"].append(ours)
 
-        theirs_dir = Path(args.work) / f"theirs-s{seed}"
-        ablation.link_stages(Path(args.base), theirs_dir)
-        trained = trained_peer(args, recipe, seed, theirs_dir / "speculators")
         imported = theirs_dir / "train" / "manifest.json"
         if imported.exists() and read_json(imported).get("status") == "complete" and \
                 Path(read_json(imported).get("imported", {}).get("source", "")).resolve() == Path(trained["checkpoint"]).resolve():
