@@ -10,9 +10,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..costmodel import HARDWARE, MeasuredCost, target_spec
-from ..speculate.cache import h2d
 from ..speculate.eagle3 import Eagle3Proposer
-from ..speculate.tree import tree_mask
 from ..speculate.verify import EagerVerifier, rows_of
 from .measure import EAGER_RUNNERS, DecodeRunners, timed
 
@@ -69,10 +67,7 @@ def _costs_at(target, drafter, context: list[int], batch: int, tokens: Sequence[
         anc = torch.eye(width, dtype=torch.bool, device=dev)[None].expand(batch, width, width)
         L = prop.cache.length
         if fast_draft is not None:  # the graphed step alone, its inputs already on the device: a step as a round pays it
-            prop.step(x, g, dpos, anc, L)  # grows the cache when these rows would not fit
-            prop.cache.crop(L)
-            mask = tree_mask(prop.start_col, prop.end_col, L, anc, width=prop.cache.size)
-            at = h2d(L, dev)
+            mask, at = prop.fast_inputs(width, anc, L)
 
             def dstep():
                 fast_draft.step(x, g, dpos, mask, at)

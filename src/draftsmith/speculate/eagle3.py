@@ -102,17 +102,21 @@ class Eagle3Proposer:
         """One drafter forward over rows written behind the cache's rows; they see the committed
         columns (mask_past of them) and the drafting columns after them where anc says.
         Returns (g, logits or None)."""
-        c = self.cache
         if self.fast is None:
-            return self.drafter(ids, hidden, pos, c, attn_mask=tree_mask(self.start_col, self.end_col, mask_past, anc)), None
-        mask = tree_mask(self.start_col, self.end_col, mask_past, anc, width=c.size)
-        at = c.length
-        if at + ids.shape[1] >= c.size:
-            c = self.cache = self.fast.grow(c, at + ids.shape[1])
-            mask = tree_mask(self.start_col, self.end_col, mask_past, anc, width=c.size)
-        g, logits = self.fast.step(ids, hidden, pos, mask, h2d(at, ids.device))
-        c.length = at + ids.shape[1]
+            return self.drafter(ids, hidden, pos, self.cache,
+                                attn_mask=tree_mask(self.start_col, self.end_col, mask_past, anc)), None
+        at = self.cache.length
+        g, logits = self.fast.step(ids, hidden, pos, *self.fast_inputs(ids.shape[1], anc, mask_past))
+        self.cache.length = at + ids.shape[1]
         return g, logits
+
+    def fast_inputs(self, n: int, anc, mask_past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fast step's mask and write position (on the device) for n rows behind the cache's rows,
+        the cache grown first when they would not fit."""
+        c = self.cache
+        if c.length + n >= c.size:
+            c = self.cache = self.fast.grow(c, c.length + n)
+        return tree_mask(self.start_col, self.end_col, mask_past, anc, width=c.size), h2d(c.length, anc.device)
 
     # ------------------------------------------------------------------ drafting
 
