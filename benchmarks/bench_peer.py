@@ -105,7 +105,38 @@ def capture_dataset(index, sample_ids: list[int], max_len: int, dtype: torch.dty
 
 
 def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
-    """Train speculators' EAGLE-3 drafter on the base capture; returns its checkpoint folder and counts."""
+    """Train speculators' EAGLE-3 drafter on the base capture; returns its checkpoint folder and counts.
+    On a GPU its forward is compiled whole, as speculators does; should that fail to compile (its first
+    step, as its fused loss did on the H200), it is trained again from the start with flex attention
+    compiled alone and the rest eager: the same arithmetic, slower, and `trained["compiled"]` says which."""
+    if args.peer_compile == "attention" or not torch.cuda.is_available():
+        return _train_peer(args, recipe, seed, out_dir, "attention" if torch.cuda.is_available() else "none")
+    try:
+        return _train_peer(args, recipe, seed, out_dir, "forward")
+    except Exception as e:  # noqa: BLE001 -- any failure of their compiled step: one retry, named in the log
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"[peer] speculators' compiled forward failed ({type(e).__name__}: {first}); training again with "
+              "only flex attention compiled", flush=True)
+        trained = _train_peer(args, recipe, seed, out_dir, "attention")
+        trained["compile_failure"] = f"{type(e).__name__}: {first}"
+        atomic_write_json(out_dir / TRAINED, trained)
+        return trained
+
+
+def _eager_forward_compiled_attention():
+    """speculators' Eagle3DraftModel.forward without its torch.compile wrapper, and its flex attention
+    compiled on its own (eager flex attention would build every score)."""
+    import speculators.models.attention as attn
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    fwd = Eagle3DraftModel.forward
+    Eagle3DraftModel.forward = getattr(fwd, "_torchdynamo_orig_callable", fwd)
+    if not getattr(attn.flex_attention, "_draftsmith_compiled", False):
+        attn.flex_attention = torch.compile(attn.flex_attention)
+        attn.flex_attention._draftsmith_compiled = True
+
+
+def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str) -> dict:
     import speculators.train.trainer as trainer_mod
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
@@ -116,6 +147,8 @@ def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
     from draftsmith.train.data import CaptureIndex
     from draftsmith.vocab import VOCAB_FILE, load_vocab
 
+    if compiled == "attention":
+        _eager_forward_compiled_attention()
     d = dict(PEER_DEFAULTS)
     base = Path(args.base)
     cap_dir = stage_dir(base, "capture")
@@ -164,7 +197,7 @@ def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
     model.save_pretrained(str(out_dir / "final"))
     trained = {"checkpoint": str(out_dir / "final"), "steps": trainer.global_step,
                "steps_per_epoch": len(loader), "total_seq_len": total_seq_len, "train_s": round(time.time() - t0, 1),
-               "tokens_per_epoch": sum(index.lengths), "defaults": d}
+               "tokens_per_epoch": sum(index.lengths), "compiled": compiled, "defaults": d}
     atomic_write_json(out_dir / TRAINED, trained)  # written last: its presence says the checkpoint is whole
     return trained
 
@@ -228,6 +261,9 @@ def main(argv=None) -> int:
                    help="speculators' loss implementation: eager (default; the same values, its tests check) or fused, "
                         "its Triton kernel, which torch 2.11's dynamo fails to trace inside its compiled forward on the "
                         "H200 (benchmarks/results/h200-2026-12-05-s7/B-peer.log)")
+    p.add_argument("--peer-compile", choices=("forward", "attention"), default="forward",
+                   help="on a GPU: speculators' whole forward compiled (its own way; on failure the run falls back to "
+                        "the other) or only its flex attention compiled")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic target, one seed, no engine (CPU test)")
     p.add_argument("--out")
