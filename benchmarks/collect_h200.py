@@ -12,7 +12,8 @@ pipeline on fp8 captures), k3/k7_eval_results.json (chain k sweeps), humaneval_e
 reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
 pipeline's training MFU), bench_capture.json, bench_train.json, bench_train_kimi.json (its Kimi probe replaces
 bench_train.json's), bench_train_real_h512/2048/4096.json (training on real captures), regen_manifest.json,
-profile_rounds.json and bench_engine.json (engine efficiency at fixed τ on the 8B-shaped pair). Every figure is computed here from those files; nothing is typed in."""
+profile_rounds.json, bench_engine.json (engine efficiency at fixed τ on the 8B-shaped pair) and
+bench_peer.json (the peer at equal data: peer_tau_ratio). Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
 
 import argparse
@@ -160,6 +161,13 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
             out["engine_8b_skipped"] = be["skipped"]
         if be.get("capture_fallbacks"):  # graphs that failed to capture: those calls were timed eagerly
             out["engine_8b_capture_fallbacks"] = be["capture_fallbacks"]
+    bp = load("bench_peer.json", required=False)  # the peer at equal data (driver step `peer`, bench_peer.py)
+    if bp:
+        out["peer_tau_ratio"] = r3(bp["peer_tau_ratio"])
+        out["peer"] = {"ratio_of": bp["peer_tau_ratio_of"], "eval_prompts": bp["eval_prompts"],
+                       **{side: {k: (r3(v) if isinstance(v, float) else [r3(a) for a in v])
+                                 for k, v in bp[f"{side}_mean"].items()} for side in ("ours", "theirs")},
+                       "theirs_steps": [r["steps"] for r in bp["theirs"]], "ours_steps": [r["steps"] for r in bp["ours"]]}
     pr = load("profile_rounds.json", required=False)  # where a round's time goes
     if pr:
         out["round_profile"] = {m: {k: v[k] for k in ("rounds", "ms_per_round_profiled", "gpu_busy_ms_per_round")}
