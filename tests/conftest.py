@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS
 from draftsmith.testing import TinyDrafter, make_tiny_drafter
@@ -40,3 +41,13 @@ def tiny_drafter(tmp_path_factory) -> TinyDrafter:
     100-token draft vocab, saved in `root/target` and `root/drafter`; built once per module
     (tests/test_export.py, test_export_vllm.py, test_interop.py). See testing.make_tiny_drafter."""
     return make_tiny_drafter(tmp_path_factory.mktemp("tiny_drafter"))
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: thread handoffs cost more than they give. Modules of
+    many small stage runs take it for every test: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

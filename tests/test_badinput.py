@@ -20,12 +20,7 @@ FIX = re.compile(r"; \S|\((map|set|use) ")  # the fix follows "; " (or sits in b
 DOC = Path(__file__).parent.parent / "docs" / "reliability.md"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

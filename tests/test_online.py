@@ -24,12 +24,7 @@ from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
 MAX_LENGTH = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _run(tmp, storage: str):

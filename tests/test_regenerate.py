@@ -23,12 +23,7 @@ PROMPTS = ["Say hello.", "Hi", "Write a poem.", "FAIL please", "Hello!", "Tell m
 MAX_NEW = 32  # the tiny model ends its greetings in time, not its poems and jokes
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class TinyServer:

@@ -26,13 +26,7 @@ GOLDEN_LOSSES = {"padded": [13.13815498, 11.60697651], "packed": [12.91841984, 1
 TOKENS = list(range(10, 50))  # the toy language uses 40 token ids
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: thread handoffs cost more than they give."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
