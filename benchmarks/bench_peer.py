@@ -9,7 +9,8 @@ recipe for EAGLE-3 (PEER_DEFAULTS, from its train/config/schema.py; its CLI cann
 here: it needs pydantic_settings). What is ours: the data. A Dataset hands its collate function
 the token ids, loss masks, aux hidden states and final hidden states of our capture (the same
 bytes our trainer reads), so both train on identical tensors, the same conversations, the same
-draft vocab (our d2t/t2d), TTT depth and number of epochs. Two shims, both named:
+draft vocab (our d2t/t2d), TTT depth and number of epochs; every other setting is its own default,
+its batch too (8,192 packed tokens a step). Two shims, both named:
   * our capture stores the target's final hidden state after its last norm (what its lm_head
     reads); speculators' data holds it before and applies the target norm itself
     (`verifier_norm`). The bench sets `verifier_norm` to the identity, so its targets are the
@@ -56,6 +57,7 @@ PEER_DEFAULTS = {
     "loss_fn": "kl_div", "ttt_step_loss_decay": 1.0,
     "norm_before_residual": True, "norm_before_fc": True, "norm_output": True, "fc_norm": False,
     "embed_requires_grad": False, "sliding_window": 2048,
+    "total_seq_len": 8192,  # DataArgs: packed tokens a step (our recipe's batch_tokens would give it other steps)
 }
 
 
@@ -171,7 +173,7 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str) -> dict:
                                                            ttt_step_loss_decay=d["ttt_step_loss_decay"],
                                                            loss_fn=d["loss_fn"], loss_implementation=args.peer_loss)
     ids = list(range(len(index)))
-    total_seq_len = args.total_seq_len or recipe.train.batch_tokens
+    total_seq_len = args.total_seq_len or d["total_seq_len"]
     loader = _setup_dataloader(capture_dataset(index, ids, total_seq_len, dtype), total_seq_len, int(m["hidden_size"]),
                                num_workers=0, num_target_layers=len(m["aux_layer_ids"]), prefetch_factor=None,
                                preprocess=shift_batch, seed=seed)
@@ -210,7 +212,7 @@ def trained_peer(args, recipe, seed: int, out_dir: Path) -> dict:
     a fresh training: a rerun after an interruption goes on to the measurement."""
     if (out_dir / TRAINED).exists() and (out_dir / "final").is_dir():
         trained = read_json(out_dir / TRAINED)
-        if trained.get("defaults") == PEER_DEFAULTS:
+        if trained.get("defaults") == PEER_DEFAULTS and trained.get("total_seq_len") == (args.total_seq_len or PEER_DEFAULTS["total_seq_len"]):
             print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} is complete; reused", flush=True)
             return trained
     return train_peer(args, recipe, seed, out_dir)
@@ -250,7 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--ours-name", default="ours",
                    help="our run folder is WORK/NAME-sSEED (bench_ablation's names reuse its trained variants)")
     p.add_argument("--total-seq-len", type=int, default=None,
-                   help="speculators' packed tokens per step (default: our train.batch_tokens)")
+                   help="speculators' packed tokens per step (default: its own, 8192; the CPU figure of BENCHMARKS.md "
+                        "used 4096)")
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--sim-depth", type=int, default=5)
     p.add_argument("--eval-prompts", type=int, default=20)

@@ -102,12 +102,14 @@ for s in $STEPS; do case $s in
   peer)      # bench_peer.py on the peerdata captures: speculators 0.9.0 and our trainer. The GPU image lacks speculators'
              # imports: its wheels travel in .whl/peer (cp312, listed in BENCHMARKS.md) and are unpacked into PEER_SITE
              # (PEER_SITE= empty: the installed packages, as on this repository's CPU machine)
+             # PEER_OURS: flags for our side only (e.g. --train.batch_tokens 8192 with PEER_OURS_NAME=ours8k: its own folder)
              SITE=${PEER_SITE-/tmp/peer-site}
              [ -z "$SITE" ] || [ -d "$SITE" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
              step peer "${PEER_LIMIT:-450}" env PYTHONPATH="${SITE:+$SITE:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
                --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
                --work /tmp/runs/peer/work --seeds 0 --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
-               --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-}" \
+               --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
+               --ours-name "${PEER_OURS_NAME:-ours}" \
                --out "$OUT/bench_peer.json" ;;
   trainsmoke) R="--run_dir /tmp/runs/h200-smoke --prepare.max_samples 1500 --regenerate.enabled false --train.max_steps ${SMOKE_STEPS:-40} \
                --train.eval_every 20 --train.heldout_samples 64"  # the recipe's training on original answers: compile, speed, held-out
