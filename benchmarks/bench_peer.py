@@ -119,10 +119,12 @@ def train_peer(args, recipe, seed: int, out_dir: Path) -> dict:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         print(f"[peer] speculators' compiled forward failed ({type(e).__name__}: {first}); training again with "
               "only flex attention compiled", flush=True)
-        trained = _train_peer(args, recipe, seed, out_dir, "attention")
-        trained["compile_failure"] = f"{type(e).__name__}: {first}"
-        atomic_write_json(out_dir / TRAINED, trained)
-        return trained
+        return _train_peer(args, recipe, seed, out_dir, "attention", compile_failure=f"{type(e).__name__}: {first}")
+
+
+def peer_batch(args) -> int:
+    """speculators' packed tokens a step: --total-seq-len, else its default."""
+    return args.total_seq_len or PEER_DEFAULTS["total_seq_len"]
 
 
 def _eager_forward_compiled_attention():
@@ -138,7 +140,7 @@ def _eager_forward_compiled_attention():
         attn.flex_attention._draftsmith_compiled = True
 
 
-def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str) -> dict:
+def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str, compile_failure: str | None = None) -> dict:
     import speculators.train.trainer as trainer_mod
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
@@ -173,7 +175,7 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str) -> dict:
                                                            ttt_step_loss_decay=d["ttt_step_loss_decay"],
                                                            loss_fn=d["loss_fn"], loss_implementation=args.peer_loss)
     ids = list(range(len(index)))
-    total_seq_len = args.total_seq_len or d["total_seq_len"]
+    total_seq_len = peer_batch(args)
     loader = _setup_dataloader(capture_dataset(index, ids, total_seq_len, dtype), total_seq_len, int(m["hidden_size"]),
                                num_workers=0, num_target_layers=len(m["aux_layer_ids"]), prefetch_factor=None,
                                preprocess=shift_batch, seed=seed)
@@ -200,6 +202,8 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str) -> dict:
     trained = {"checkpoint": str(out_dir / "final"), "steps": trainer.global_step,
                "steps_per_epoch": len(loader), "total_seq_len": total_seq_len, "train_s": round(time.time() - t0, 1),
                "tokens_per_epoch": sum(index.lengths), "compiled": compiled, "defaults": d}
+    if compile_failure:  # the first, whole-forward attempt's error (train_peer)
+        trained["compile_failure"] = compile_failure
     atomic_write_json(out_dir / TRAINED, trained)  # written last: its presence says the checkpoint is whole
     return trained
 
@@ -212,7 +216,7 @@ def trained_peer(args, recipe, seed: int, out_dir: Path) -> dict:
     a fresh training: a rerun after an interruption goes on to the measurement."""
     if (out_dir / TRAINED).exists() and (out_dir / "final").is_dir():
         trained = read_json(out_dir / TRAINED)
-        if trained.get("defaults") == PEER_DEFAULTS and trained.get("total_seq_len") == (args.total_seq_len or PEER_DEFAULTS["total_seq_len"]):
+        if trained.get("defaults") == PEER_DEFAULTS and trained.get("total_seq_len") == peer_batch(args):
             print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} is complete; reused", flush=True)
             return trained
     return train_peer(args, recipe, seed, out_dir)
