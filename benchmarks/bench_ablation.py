@@ -41,7 +41,8 @@ from draftsmith.config import parse_recipe
 # name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is: since lr 3e-3
 # and head_init target became the defaults (this ablation's winners), a base recipe that does not set
 # them trains what "lr3e-3+head_target" names; set --train.lr 3e-4 --train.head_init random in it to
-# get the old baseline back.
+# get the first baseline back. Since draft.norm_output and ttt_decay 1.0 became the defaults too (the
+# ablation at equal batch, BENCHMARKS.md "New defaults"), "eagle3" is the baseline before them.
 VARIANTS: dict[str, list[str]] = {
     "baseline": [],
     # optimizer and learning rate
@@ -52,12 +53,13 @@ VARIANTS: dict[str, list[str]] = {
     # the head: the target's own rows, trained or frozen
     "head_target": ["--train.head_init", "target"],
     "head_frozen": ["--train.head_init", "target", "--train.train_head", "false"],
-    # loss weighting over TTT positions
-    "decay1": ["--train.ttt_decay", "1.0"],
+    # loss weighting over TTT positions (EAGLE-3's 0.8**i; the default is 1.0)
+    "decay0.8": ["--train.ttt_decay", "0.8"],
     # schedule: speculators' linear decay to 0
     "linear": ["--train.lr_schedule", "linear", "--train.min_lr_ratio", "0.0"],
-    # architecture flags (speculators' defaults turn all three on)
-    "norm_output": ["--draft.norm_output", "true"],
+    # architecture flags (speculators' defaults turn all three on; norm_output is on by default)
+    "no_norm_output": ["--draft.norm_output", "false"],
+    "eagle3": ["--draft.norm_output", "false", "--train.ttt_decay", "0.8"],  # the defaults before 2026-12-05
     "norm_before_residual": ["--draft.norm_before_residual", "true"],
     "norm_before_fc": ["--draft.norm_before_fc", "true"],
     "all_norms": ["--draft.norm_output", "true", "--draft.norm_before_residual", "true", "--draft.norm_before_fc", "true"],
@@ -279,7 +281,7 @@ def main(argv=None) -> int:
 
         root = Path(tempfile.mkdtemp(prefix="bench_ablation_"))
         args.recipe, args.base, args.heldout = make_smoke(root)
-        args.work, args.variants, args.no_engine, args.depth, args.sim_depth = str(root / "ablate"), "baseline,norm_output", True, 3, 3
+        args.work, args.variants, args.no_engine, args.depth, args.sim_depth = str(root / "ablate"), "baseline,eagle3", True, 3, 3
     if not (args.recipe and args.base and args.heldout):
         p.error("--recipe, --base and --heldout are required (or --smoke)")
     names = [v for v in args.variants.split(",") if v]

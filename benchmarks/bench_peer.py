@@ -285,7 +285,7 @@ def main(argv=None) -> int:
         p.error("--recipe, --base and --heldout are required (or --smoke)")
     ours_flags = args.ours.split()
     result = {"recipe": args.recipe, "ours_flags": ours_flags, "depth": args.depth, "sim_depth": args.sim_depth,
-              "eval_prompts": args.eval_prompts, "ours": [], "theirs": []}
+              "eval_prompts": args.eval_prompts, "benchmark": args.benchmark, "ours": [], "theirs": []}
     for seed in [int(s) for s in args.seeds.split(",")]:
         ours_dir = Path(args.work) / f"{args.ours_name}-s{seed}"
         ablation.link_stages(Path(args.base), ours_dir)

@@ -33,7 +33,7 @@ def test_bench_peer_smoke(tmp_path):
 
 def test_bench_ablation_smoke(tmp_path):
     r = run_bench("bench_ablation.py", tmp_path)
-    assert sorted(r["variants"]) == ["baseline", "norm_output"]
+    assert sorted(r["variants"]) == ["baseline", "eagle3"]
     for v in r["variants"].values():
         run = v["runs"][0]
         assert len(run["heldout_acc"]) == 3 and run["steps"] >= 1 and run["epochs_started"] == 1

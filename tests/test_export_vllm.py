@@ -62,7 +62,7 @@ def test_keys_and_config(tiny_drafter, tmp_path):
     assert sc["verifier"] == {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]}
     assert c["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # internal [1, 3, 4]: vLLM reads layer inputs
     assert c["norm_before_residual"] is False  # vLLM's adapter would default a missing key to true
-    assert (c["norm_before_fc"], c["norm_output"], c["fc_norm"]) == (False, False, False)
+    assert (c["norm_before_fc"], c["norm_output"], c["fc_norm"]) == (False, True, False)  # draft.* defaults
     assert (c["draft_vocab_size"], c["target_hidden_size"]) == (100, t["hidden_size"])
     layer = c["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == t["vocab_size"]

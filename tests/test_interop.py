@@ -85,8 +85,9 @@ def random_inputs(drafter, T=9, offset=0):
     return aux, ids, torch.arange(T)[None] + offset
 
 
-@pytest.mark.parametrize("rope,flags", [("default", {}), ("llama3", {}), ("default", {f: True for f in FLAGS})],
-                         ids=["default", "llama3", "all_norms"])
+@pytest.mark.parametrize("rope,flags", [("default", {}), ("llama3", {}), ("default", {f: True for f in FLAGS}),
+                                        ("default", {f: False for f in FLAGS})],
+                         ids=["default", "llama3", "all_norms", "no_norms"])
 def test_speculators_loads_our_export_and_matches_forward(tiny_drafter, tmp_path, rope, flags):
     """The default vLLM export (no with_embeddings given), loaded by speculators' own loader, gives
     our drafter's logits at every TTT step: the embedding travels in the folder (its loader
@@ -103,7 +104,8 @@ def test_speculators_loads_our_export_and_matches_forward(tiny_drafter, tmp_path
     theirs = load_with_speculators(tmp_path / "vllm")
     assert type(theirs).__name__ == "Eagle3DraftModel"
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]  # internal [1, 3, 4] + 1
-    assert {f: getattr(theirs.config, f) for f in FLAGS} == {f: bool(flags.get(f)) for f in FLAGS}
+    assert {f: getattr(theirs.config, f) for f in FLAGS} == {f: getattr(drafter.cfg, f) for f in FLAGS}
+    assert all(getattr(drafter.cfg, f) == v for f, v in flags.items())
     ours = {k.replace("midlayer.", "layers.0."): v for k, v in drafter.state_dict().items()}
     sd = theirs.state_dict()
     for k, v in ours.items():

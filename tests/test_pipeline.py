@@ -67,6 +67,8 @@ def test_run_then_skip(tmp_path, target, capsys):
         assert load_manifest(run_dir / stage)["status"] == "complete", stage
     assert (run_dir / "export" / "sglang" / "model.safetensors").exists()
     assert (run_dir / "recipe.yaml").exists()
+    printed = capsys.readouterr()  # the default drafter is EAGLE-3.1: export says which servers load it right
+    assert "norm_output (EAGLE-3.1) is on" in printed.out + printed.err
     first = figures(run_dir)
     assert first["tau"] >= 1.0
     # A second run redoes nothing and gives the same figures.

@@ -155,10 +155,15 @@ class DraftConfig:
     norm_before_residual: bool = False
     """The decoder layer's residual is hidden_norm(h) instead of h (`norm_before_residual`). vLLM
     loads it; SGLang's EAGLE-3 Llama has no such option, so the SGLang export refuses it."""
-    norm_output: bool = False
+    norm_output: bool = True
     """Each draft step after the first reads norm(g), the state the lm_head reads, instead of the
     raw layer output g (EAGLE-3.1 `norm_output`): the hidden state keeps its scale however deep
-    the drafter runs. Loaded by vLLM and SGLang releases with EAGLE-3.1 support."""
+    the drafter runs. On by default: with ttt_decay 1 it won the ablation at equal batch (held-out
+    acceptance higher at every position, most past the trained depth; MT-Bench tree tau above the
+    `speculators` peer's, BENCHMARKS.md "New defaults"), and speculators trains Llama drafters with
+    it too. Loaded by vLLM since vllm-project/vllm#46488 and SGLang releases with EAGLE-3.1
+    support; an older server ignores the key and drafts worse without an error (docs/serving.md):
+    false gives a plain EAGLE-3 drafter."""
 
 
 @dataclass
@@ -167,8 +172,10 @@ class TrainConfig:
 
     ttt_steps: int = 7
     """Unrolled draft steps per position; step i has loss weight decay**i."""
-    ttt_decay: float = 0.8
-    """Loss weight decay per TTT step: step i weighs ttt_decay**i."""
+    ttt_decay: float = 1.0
+    """Loss weight decay per TTT step: step i weighs ttt_decay**i. 1.0 (every step weighs the
+    same, as speculators trains) beat EAGLE-3's 0.8 together with draft.norm_output (BENCHMARKS.md
+    "New defaults")."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
@@ -268,7 +275,7 @@ class TrainConfig:
     starts by reading its hidden state the way the target reads its own), or random. target won
     the training ablation (benchmarks/bench_ablation.py, variant head_target; with lr 3e-3 the
     combination that beat the `speculators` peer); a frozen head (train_head false), Muon and
-    ttt_decay 1 lost there."""
+    ttt_decay 1 alone lost there (4,096 tokens a step)."""
     train_head: bool = True
     """Train the lm_head. false: it keeps its initial value (with head_init target: the target's
     own head, frozen, as speculators trains)."""
