@@ -183,6 +183,10 @@ def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
     deep, lose = st["findings"]
     assert "eagle3_chain drafts to depth 5, eagle3_tree drafts to depth 6" in deep["text"]
     assert "trained with 3 TTT steps" in deep["text"] and "0.05 0.01" in deep["text"] and "ttt_steps >= 6" in deep["fix"]
+    assert "norm_output" not in deep["fix"]  # the drafter has it (the default)
+    _set(run, "train", config={"draft": {"norm_output": False}})  # a plain EAGLE-3 drafter loses most past its depth
+    assert "train with draft.norm_output true" in status.collect(run)["findings"][0]["fix"]
+    _set(run, "train", config={"draft": {"norm_output": True}})
     assert "eagle3_tree τ 2.07 / 0.97x" in lose["text"] and "n-gram lookup's τ 2.67 / 1.88x" in lose["text"]
     assert "train.heldout_samples" in lose["fix"]  # no held-out figures: the run cannot tell data from steps
     assert st["next_step"]["text"].startswith("every stage is complete, but eagle3_chain drafts to depth 5")

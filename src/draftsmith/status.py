@@ -214,7 +214,10 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                         "text": ", ".join(f"{m} drafts to depth {d}" for m, d in deep.items())
                                 + f", but the drafter was trained with {trained_k} TTT steps{seen}",
                         "fix": f"train with train.ttt_steps >= {max(deep.values())} or evaluate with evaluate.draft_steps / "
-                               f"evaluate.tree_depth <= {trained_k}"})
+                               f"evaluate.tree_depth <= {trained_k}"
+                               + ("; or train with draft.norm_output true (the default since 2026-12-05), which holds "
+                                  "acceptance past the trained depth (BENCHMARKS.md \"New defaults\")"
+                                  if _get(train or {}, "config.draft.norm_output") is False else "")})
     fallbacks = _get(ev or {}, "metrics.capture_fallbacks")
     if fallbacks:  # those calls ran eagerly: the speedups are not the graphs path's
         out.append({"kind": "capture_fallbacks", "source": f"{_mf('evaluate')}: metrics.capture_fallbacks",
