@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..artifacts import (RECIPE_FILE, finish_manifest, log, new_manifest, read_json, require_complete, sha256_file,
-                         write_manifest)
+from ..artifacts import RECIPE_FILE, finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
 from ..config import Recipe, check_recipe
+from ..draft.io import read_drafter_config
 from .sglang import export_sglang
 from .vllm import export_vllm
 
@@ -36,7 +36,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                 cfg.num_speculative_tokens, cfg.with_embeddings, recipe.target.trust_remote_code)
         manifest["formats"][fmt] = {"dir": fmt, "files": files}
         log(f"[export] {fmt}: {out_dir / fmt} ({sum(f['bytes'] for f in files) / 2**20:.1f} MiB, {cfg.dtype})")
-    if read_json(drafter_dir / "config.json").get("norm_output"):
+    if read_drafter_config(drafter_dir / "config.json").norm_output:
         log("[export] norm_output (EAGLE-3.1) is on: serve with a vLLM that has vllm-project/vllm#46488 or an SGLang with "
             "EAGLE-3.1; an older release ignores the key and drafts worse without an error (docs/serving.md)")
     manifest["counts"] = {"formats": len(cfg.formats)}
