@@ -273,6 +273,41 @@ def test_lossless_tree(target, fitted, topk, budget, depth):
     assert behind_others > 0
 
 
+class ChainAndTree(Eagle3Proposer):
+    """Each round drafts the chain (top-1, depth deep) from the same state, then the tree it returns,
+    and keeps both (batch 1; propose crops the drafting rows, so the two see the same cache)."""
+
+    def propose(self, max_depth):
+        topk, budget = self.topk, self.budget
+        self.topk, self.budget = 1, max(max_depth)
+        chain = super().propose(max_depth)[0]
+        self.topk, self.budget = topk, budget
+        trees = super().propose(max_depth)
+        self.rounds = getattr(self, "rounds", []) + [(chain, trees[0])]
+        return trees
+
+
+@pytest.mark.parametrize("fit", [False, True])
+def test_tree_holds_the_chain(target, fitted, fit):
+    """Every round's tree holds the chain the drafter drafts from the same state as a root path, at
+    full depth, even with a budget of one node beyond it: under greedy verification a tree never
+    accepts less than the chain. A random drafter (flat draft probabilities) is the case where EAGLE-2's
+    ranking by cumulative log-prob alone leaves the deep chain nodes out; the fitted one accepts."""
+    drafter = fitted if fit else make_drafter(target, seed=3)
+    depth, n_rounds = 5, 0
+    for prompt in PROMPTS:
+        prop = ChainAndTree(drafter, topk=4, budget=depth + 1)
+        spec, [st] = generate(target, prop, [prompt], 16, depth=depth)
+        assert spec == [plain_generate(target, prompt, 16)]
+        for chain, tree in prop.rounds:
+            node = -1
+            for tok in chain.tokens:
+                node = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == node and t == tok), None)
+                assert node is not None, f"prompt {prompt}: chain {chain.tokens} is not a root path of {tree.tokens}"
+            n_rounds += len(chain) == depth
+    assert n_rounds > 0
+
+
 def test_tree_of_oracle_and_noise_accepts_the_right_branch(target):
     """A tree whose root has a wrong first child and the right one second: the path is found."""
     from draftsmith.speculate.tree import DraftTree

@@ -317,7 +317,8 @@ class EvaluateConfig:
     tree_topk: int = 4
     """EAGLE-2 tree: children expanded per node, and nodes expanded per depth."""
     tree_budget: int = 16
-    """EAGLE-2 tree: draft tokens verified per target forward (the best by draft probability)."""
+    """EAGLE-2 tree: draft tokens verified per target forward: the chain (the top-1 path to
+    tree_depth), then the best by draft probability."""
     ngram_max: int = 3
     """Prompt lookup: longest n-gram matched against the context (down to 1)."""
     ngram_steps: Optional[int] = None

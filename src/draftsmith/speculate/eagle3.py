@@ -8,9 +8,14 @@ Tree (EAGLE-2, Li et al. 2024): depth 1 takes the top-k tokens of the last commi
 further depth the k best nodes so far (by cumulative draft log-probability) are fed as k rows in
 one drafter forward, each attending to the committed rows, its fed ancestors and itself, and each
 proposes its top-k children. Of all nodes seen, the `budget` best by cumulative log-probability
-form the tree (closed under ancestors, since log-probs only decrease along a path). A chain is
-topk=1, budget=depth. At temperature > 0 a chain samples its drafts and hands their distribution
-to rejection sampling; a tree keeps deterministic top-k nodes (verified as point masses).
+form the tree (closed under ancestors, since log-probs only decrease along a path). One change to
+EAGLE-2: the chain (the top-1 path to full depth) is always fed and always in the tree, so under
+greedy verification a tree never accepts less than the chain of the same drafter from the same state.
+Ranked by draft probability alone, a tree can leave the chain's deep nodes out: on the H200 two
+drafters right 90 % of the time at every depth drafted trees of lower tau than their chains (3.89 vs
+4.15, 3.90 vs 4.14; BENCHMARKS.md, tenth session). A chain is topk=1, budget=depth. At
+temperature > 0 a chain samples its drafts and hands their distribution to rejection sampling; a
+tree keeps deterministic top-k nodes (verified as point masses).
 
 FastDraft (below) is the drafter's fast path: its static cache (cache.StaticDraftCache) and graphed
 steps, and the whole `expand` of a round as one graph. `expand`, `step` and `graph_step` are public:
@@ -128,9 +133,11 @@ class Eagle3Proposer:
 
     def expand(self, K: int, D: int, sampled: bool, step, g_last: torch.Tensor, rows: torch.Tensor):
         """EAGLE-2 expansion to depth D: (toks, scores, parents) [B, n_cand] over every candidate in
-        creation order (parents first), and q_all [B, n_cand, V] when sampling. `step(tok, hidden,
-        pos, anc, fed)` is one drafter forward whose rows go behind the `fed` drafting rows already
-        written; with a graph-safe step the whole function is tensor ops (FastDraft graphs it)."""
+        creation order (parents first), and q_all [B, n_cand, V] when sampling. scores are cumulative
+        draft log-probs, +inf on the chain (each depth's candidate 0: frontier slot 0's top-1 child),
+        which the selection then always keeps. `step(tok, hidden, pos, anc, fed)` is one drafter
+        forward whose rows go behind the `fed` drafting rows already written; with a graph-safe step
+        the whole function is tensor ops (FastDraft graphs it)."""
         d, B, dev = self.drafter, g_last.shape[0], g_last.device
 
         def children(g: torch.Tensor, logits: Optional[torch.Tensor] = None):
@@ -143,8 +150,13 @@ class Eagle3Proposer:
             logp, idx = torch.log_softmax(logits, -1, dtype=torch.float32).topk(K, dim=-1)  # the cast inside: one kernel
             return idx, logp, None
 
+        first = torch.zeros(1, dtype=torch.long, device=dev)
+
+        def keep_chain(s: torch.Tensor) -> torch.Tensor:  # candidate 0 of a depth is the chain's node
+            return s.index_fill(1, first, float("inf")) if K > 1 else s
+
         idx, logp, q = children(g_last)                                       # [B, K]
-        toks, scores = [d.draft_to_target(idx)], [logp]
+        toks, scores = [d.draft_to_target(idx)], [keep_chain(logp)]
         parents = [torch.full((B, K), -1, device=dev)]
         qs = [q[:, None].expand(B, K, -1)] if sampled else None
         front = torch.arange(K, device=dev)[None].expand(B, K)               # global candidate index
@@ -161,14 +173,15 @@ class Eagle3Proposer:
             cum = (front_score[:, :, None] + logp).reshape(B, K * K)
             tok = d.draft_to_target(idx).reshape(B, K * K)
             toks.append(tok)
-            scores.append(cum)
+            scores.append(keep_chain(cum))
             parents.append(front[:, :, None].expand(B, K, K).reshape(B, K * K))
             if sampled:
                 qs.append(q)
             if K == 1:  # a chain: its one child is the frontier (no top-k, no gathers: kernels of a graph)
                 front, front_tok, front_score, front_g, front_anc = torch.full_like(front, n_cand), tok, cum, g, anc
             else:
-                best = cum.topk(K, dim=-1).indices                           # next frontier: best K children
+                best = scores[-1].topk(K, dim=-1).indices                    # next frontier: the chain's child
+                                                                              # (slot 0), then the best K - 1
                 row = best // K                                               # which fed row is the parent
                 front = n_cand + best
                 front_tok = tok.gather(1, best)

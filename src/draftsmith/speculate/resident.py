@@ -6,7 +6,8 @@ syncs and a few milliseconds of Python per round, during which the GPU idles (pr
 ~40 % of every round on the H200). Here the same round is written in tensor ops only:
 
     expand     the proposer's EAGLE-2 expansion (its own graph-safe `expand`)
-    select     the `budget` best candidates by cumulative log-prob, within each sequence's depth
+    select     the chain, then the `budget` best candidates by cumulative log-prob (expand scores
+               the chain +inf), within each sequence's depth
                limit (stable sort: ties go to the earlier candidate, as the host's sort does, so
                the set is closed under ancestors), renumbered in creation order
     verify     [root, *nodes, padding] through the target over its static cache, ancestry masks
