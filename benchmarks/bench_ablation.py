@@ -50,6 +50,7 @@ VARIANTS: dict[str, list[str]] = {
     "lr3e-3": ["--train.lr", "3e-3"],
     "lr1e-2": ["--train.lr", "1e-2"],
     "muon": ["--train.optimizer", "muon", "--train.lr", "1e-3"],
+    "muon3e-3": ["--train.optimizer", "muon", "--train.lr", "3e-3"],  # won at 630 steps (BENCHMARKS.md, tenth session)
     # the head: the target's own rows, trained or frozen
     "head_target": ["--train.head_init", "target"],
     "head_frozen": ["--train.head_init", "target", "--train.train_head", "false"],
