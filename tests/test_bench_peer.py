@@ -37,3 +37,33 @@ def test_bench_ablation_smoke(tmp_path):
     for v in r["variants"].values():
         run = v["runs"][0]
         assert len(run["heldout_acc"]) == 3 and run["steps"] >= 1 and run["epochs_started"] == 1
+
+
+def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkeypatch):
+    """bench_ablation.engine_taus reuses a complete evaluation of the same drafter and settings only
+    when the same draftsmith code wrote it; one by other code is measured again, forced (the
+    evaluate stage's own fingerprint, config and inputs, would call it complete)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_ablation as ab
+    from draftsmith.artifacts import atomic_write_json, code_fingerprint
+
+    args = type("A", (), dict(eval_prompts=20, max_new_tokens=96, draft_steps=5, benchmark="mtbench"))()
+    run = tmp_path / "run"
+    atomic_write_json(run / "train" / "manifest.json", {"status": "complete", "fingerprint": "fp-train"})
+    methods = {"eagle3_chain": {"tau": 1.5}, "eagle3_tree": {"tau": 1.75}}
+
+    def evaluation(code: str) -> dict:
+        return {"status": "complete", "inputs": {"train": "fp-train"}, "versions": {"draftsmith_code": code},
+                "config": {"max_prompts": 20, "max_new_tokens": 96, "draft_steps": 5, "tree_depth": 5,
+                           "benchmarks": ["mtbench"], "methods": ["eagle3_chain", "eagle3_tree"]},
+                "metrics": {"methods": methods, "accept_rate_per_position": [0.5]}}
+
+    calls = []
+    fresh = {**evaluation(code_fingerprint()), "metrics": {"methods": {m: {"tau": 2.0} for m in methods},
+                                                           "accept_rate_per_position": [0.6]}}
+    monkeypatch.setattr(ab.pipeline, "run_stage", lambda stage, recipe, force=False: calls.append((stage, force)) or fresh)
+    monkeypatch.setattr(ab, "recipe_for", lambda *a, **k: None)
+    atomic_write_json(run / "eval" / "manifest.json", evaluation(code_fingerprint()))
+    assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 1.75 and calls == []
+    atomic_write_json(run / "eval" / "manifest.json", evaluation("older-code"))
+    assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
