@@ -219,11 +219,11 @@ class TrainConfig:
     weight matrices of fc, attention and MLP (lr `muon_lr`, RMS matched to AdamW's update, weight
     decay `muon_weight_decay`), AdamW (lr) on the norms and the lm_head; speculators' default.
     Muon won where training took hundreds of steps and lost where it took about a hundred (on the
-    CPU the batch differed too; BENCHMARKS.md, tenth session): at
-    lr 3e-3 on the CPU lab, 630 steps of 1,024 tokens, MT-Bench tree tau 1.97 vs AdamW's 1.73 over
-    three seeds, but 128 steps of 4,096 tokens held-out top-1 0.24 ... 0.16 vs 0.24 ... 0.20, and the
-    quickstart's 90 steps 1.24 vs 1.29 held-out simulated tau; on the H200 (573 steps, lr 1e-3)
-    held-out top-1 0.91 vs 0.89. The GPU recipes train with it; the default stays adamw."""
+    CPU the batch differed too; BENCHMARKS.md, tenth session): at lr 3e-3 on the CPU lab, 630 steps
+    of 1,024 tokens, MT-Bench tree tau 1.97 vs AdamW's 1.73 over three seeds, but 128 steps of 4,096
+    tokens held-out top-1 0.24 ... 0.16 vs 0.24 ... 0.20, and the quickstart's 90 steps 1.24 vs 1.29
+    held-out simulated tau; on the H200 (573 steps, lr 1e-3) held-out top-1 0.91 vs 0.89. The GPU
+    recipes train with it; the default stays adamw."""
     muon_lr: Optional[float] = None
     """Learning rate of the Muon matrices; unset: lr."""
     muon_weight_decay: float = 0.1
