@@ -150,10 +150,10 @@ class Eagle3Proposer:
             logp, idx = torch.log_softmax(logits, -1, dtype=torch.float32).topk(K, dim=-1)  # the cast inside: one kernel
             return idx, logp, None
 
-        first = torch.zeros(1, dtype=torch.long, device=dev)
+        first = torch.zeros(1, dtype=torch.long, device=dev) if K > 1 else None  # a chain: no kernel for it
 
         def keep_chain(s: torch.Tensor) -> torch.Tensor:  # candidate 0 of a depth is the chain's node
-            return s.index_fill(1, first, float("inf")) if K > 1 else s
+            return s if first is None else s.index_fill(1, first, float("inf"))
 
         idx, logp, q = children(g_last)                                       # [B, K]
         toks, scores = [d.draft_to_target(idx)], [keep_chain(logp)]
