@@ -175,9 +175,10 @@ def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[st
                                 force=complete)
     methods = ev["metrics"]["methods"]
     out = {"tau_chain": methods["eagle3_chain"]["tau"], "tau_tree": methods["eagle3_tree"]["tau"],
+           "speedup_chain": methods["eagle3_chain"]["speedup"], "speedup_tree": methods["eagle3_tree"]["speedup"],
            "engine_accept_rate": ev["metrics"]["accept_rate_per_position"]}
     if "ngram" in methods:
-        out["ngram_tau"] = methods["ngram"]["tau"]
+        out.update(ngram_tau=methods["ngram"]["tau"], ngram_speedup=methods["ngram"]["speedup"])
     return out
 
 
@@ -206,7 +207,7 @@ def run_variant(args, name: str, flags: list[str], seed: int, ngram: bool = Fals
 
 
 def mean_row(rows: list[dict]) -> dict:
-    keys = [k for k in ("tau_sim", "tau_chain", "tau_tree", "train_loss") if all(k in r for r in rows)]
+    keys = [k for k in ("tau_sim", "tau_chain", "tau_tree", "speedup_chain", "speedup_tree", "ngram_tau", "ngram_speedup", "train_loss") if all(k in r for r in rows)]
     out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     out["heldout_acc"] = [sum(r["heldout_acc"][i] for r in rows) / len(rows) for i in range(len(rows[0]["heldout_acc"]))]
     return out

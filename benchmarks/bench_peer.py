@@ -232,8 +232,9 @@ def import_peer(checkpoint: str, recipe, run_dir: Path) -> dict:
     return read_json(run_dir / "train" / "manifest.json")["imported"]
 
 
-def measure(args, run_dir: Path, recipe_flags: list[str], seed: int) -> dict:
-    """Held-out acceptance per position and the engine's tau on MT-Bench, as bench_ablation."""
+def measure(args, run_dir: Path, recipe_flags: list[str], seed: int, ngram: bool = False) -> dict:
+    """Held-out acceptance per position and the engine's tau and speedup on MT-Bench, as bench_ablation
+    (n-gram prompt lookup beside them when asked)."""
     from draftsmith.draft.io import load_drafter
 
     recipe = ablation.recipe_for(args.recipe, run_dir, seed, recipe_flags)
@@ -241,7 +242,7 @@ def measure(args, run_dir: Path, recipe_flags: list[str], seed: int) -> dict:
                                      recipe.target.path, args.depth, recipe.train.max_length)
     row = {"seed": seed, "heldout_acc": ho["acc"], "tau_sim": ablation.simulated_tau(ho["acc"][:args.sim_depth])}
     if not args.no_engine:
-        row.update(ablation.engine_taus(args, args.recipe, run_dir, seed, recipe_flags))
+        row.update(ablation.engine_taus(args, args.recipe, run_dir, seed, recipe_flags, ngram))
     return row
 
 
@@ -271,6 +272,8 @@ def main(argv=None) -> int:
     p.add_argument("--peer-compile", choices=("forward", "attention"), default="forward",
                    help="on a GPU: speculators' whole forward compiled (its own way; on failure the run falls back to "
                         "the other) or only its flex attention compiled")
+    p.add_argument("--ngram", action="store_true",
+                   help="measure n-gram prompt lookup beside our drafter (same prompts and evaluation; it needs no drafter)")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic target, one seed, no engine (CPU test)")
     p.add_argument("--out")
@@ -296,7 +299,7 @@ def main(argv=None) -> int:
         # spent its time (on the H200, 2026-12-05, it failed after ours had trained and been measured)
         trained = trained_peer(args, recipe, seed, theirs_dir / "speculators")
         m = pipeline.run_stage("train", recipe)
-        ours = measure(args, ours_dir, ours_flags, seed)
+        ours = measure(args, ours_dir, ours_flags, seed, args.ngram)
         ours.update(steps=m["counts"]["steps"], train_s=m["timings"].get("train_s_this_session"))
         result["ours"].append(ours)
 

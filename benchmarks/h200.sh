@@ -107,7 +107,7 @@ for s in $STEPS; do case $s in
              [ -z "$SITE" ] || [ -d "$SITE" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
              step peer "${PEER_LIMIT:-450}" env PYTHONPATH="${SITE:+$SITE:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
                --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
-               --work /tmp/runs/peer/work --seeds 0 --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
+               --work /tmp/runs/peer/work --seeds 0 --ngram --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
                --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
                --ours-name "${PEER_OURS_NAME:-ours}" \
                --out "$OUT/bench_peer.json" ;;

@@ -50,7 +50,7 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
     args = type("A", (), dict(eval_prompts=20, max_new_tokens=96, draft_steps=5, benchmark="mtbench"))()
     run = tmp_path / "run"
     atomic_write_json(run / "train" / "manifest.json", {"status": "complete", "fingerprint": "fp-train"})
-    methods = {"eagle3_chain": {"tau": 1.5}, "eagle3_tree": {"tau": 1.75}}
+    methods = {"eagle3_chain": {"tau": 1.5, "speedup": 1.2}, "eagle3_tree": {"tau": 1.75, "speedup": 1.3}}
 
     def evaluation(code: str) -> dict:
         return {"status": "complete", "inputs": {"train": "fp-train"}, "versions": {"draftsmith_code": code},
@@ -59,11 +59,11 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
                 "metrics": {"methods": methods, "accept_rate_per_position": [0.5]}}
 
     calls = []
-    fresh = {**evaluation(code_fingerprint()), "metrics": {"methods": {m: {"tau": 2.0} for m in methods},
+    fresh = {**evaluation(code_fingerprint()), "metrics": {"methods": {m: {"tau": 2.0, "speedup": 1.4} for m in methods},
                                                            "accept_rate_per_position": [0.6]}}
     monkeypatch.setattr(ab.pipeline, "run_stage", lambda stage, recipe, force=False: calls.append((stage, force)) or fresh)
     monkeypatch.setattr(ab, "recipe_for", lambda *a, **k: None)
     atomic_write_json(run / "eval" / "manifest.json", evaluation(code_fingerprint()))
-    assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 1.75 and calls == []
+    assert ab.engine_taus(args, "r.yaml", run, 0, [])["speedup_tree"] == 1.3 and calls == []
     atomic_write_json(run / "eval" / "manifest.json", evaluation("older-code"))
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
