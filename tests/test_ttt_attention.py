@@ -302,3 +302,41 @@ def test_compiled_ttt_loss_traces_once_and_matches_eager(impl):
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == graphs[-1] >= 1 and not counters["recompiles"], (graphs, dict(counters["recompiles"]))
     assert not counters["graph_break"], list(counters["graph_break"])[:1]
+
+
+def test_ttt_loss_align_topk_counts_only_aligned_rows():
+    """train.ttt_align_topk: with k = 1 step i > 0 learns at row t only while the drafter's argmax
+    matched the target's at steps 0..i-1 of row t (per-row CE and hits read one row at a time
+    through a one-hot loss mask, then summed by hand); with k = the draft vocab every row stays
+    aligned: the plain loss."""
+    from draftsmith.train.ttt import position_weights, ttt_loss
+
+    V = 3  # a small draft vocab: the random drafter hits about a third of the rows
+    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=50, draft_vocab_size=V)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg).double()
+    head = torch.randn(V, 32, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    L, steps = 40, 3
+    ids = torch.randint(0, 50, (1, L), generator=g)
+    aux, final = torch.randn(1, L, 96, generator=g, dtype=torch.float64), torch.randn(1, L, 32, generator=g, dtype=torch.float64)
+    loss = lambda mask, wt, k: ttt_loss(model, ids, mask, aux, final, head, steps, 1.0, wt, "reference", align_topk=k)  # noqa: E731
+    ce, hit = torch.zeros(steps, L, dtype=torch.float64), torch.zeros(steps, L, dtype=torch.float64)
+    for p in range(L):  # w_i[t] = mask[t+2+i]: a one-hot mask at p reads row p-2-i of step i
+        out = loss(torch.eye(L, dtype=torch.float64)[p][None], torch.ones(steps), 0)
+        for i in range(steps):
+            if p - 2 - i >= 0:
+                ce[i, p - 2 - i], hit[i, p - 2 - i] = out.ce[i], out.correct[i]
+    full = torch.ones(1, L, dtype=torch.float64)
+    wt = position_weights(full, steps)
+    alive, expect = torch.ones(L, dtype=torch.float64), 0.0
+    for i in range(steps):
+        expect = expect + (ce[i] * alive).sum() / wt[i]
+        assert i == 0 or 0 < alive[:L - 2 - i].sum() < L - 2 - i  # both kinds of rows at every later step
+        alive = alive * hit[i]
+    aligned, plain = loss(full, wt, 1), loss(full, wt, 0)
+    torch.testing.assert_close(aligned.loss.double(), expect, rtol=1e-6, atol=1e-6)  # log-softmax in float32
+    assert aligned.loss < plain.loss
+    assert torch.equal(aligned.correct, plain.correct) and torch.equal(aligned.weight, plain.weight)  # metrics: every row
+    assert torch.equal(loss(full, wt, V).loss, plain.loss)

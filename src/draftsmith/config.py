@@ -176,6 +176,13 @@ class TrainConfig:
     """Loss weight decay per TTT step: step i weighs ttt_decay**i. 1.0 (every step weighs the
     same, as speculators trains) beat EAGLE-3's 0.8 together with draft.norm_output (BENCHMARKS.md
     "New defaults")."""
+    ttt_align_topk: int = 0
+    """0: every TTT step learns at every row. k > 0: step i > 0 learns at a row only while the
+    target's token stayed within the drafter's top-k at every earlier step of that row (GRIFFIN's
+    token-alignable training, arXiv 2502.11018, with k = 1): past a miss the row's later drafts
+    are never verified, yet they would train on a hidden state paired with a token the drafter did
+    not propose. k = 1 matches chain decoding; a tree also follows a miss into its other top-k
+    children. The accuracies logged stay over every row (comparable across settings)."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
@@ -493,6 +500,7 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("capture.batch_tokens", c.batch_tokens, 1, 1 << 30, False),
         ("vocab.draft_vocab_size", v.draft_vocab_size, 1, 1 << 24, False),
         ("train.ttt_steps", t.ttt_steps, 1, MAX_DRAFT_STEPS, False), ("train.ttt_decay", t.ttt_decay, 1e-6, 1, False),
+        ("train.ttt_align_topk", t.ttt_align_topk, 0, 1 << 24, False),
         ("train.epochs", t.epochs, 1e-9, 1e6, False), ("train.max_steps", t.max_steps, 1, 1e9, True),
         ("train.max_tokens", t.max_tokens, 0, None, False), ("train.max_minutes", t.max_minutes, 0, None, False),
         ("train.batch_tokens", t.batch_tokens, 1, 1 << 32, False), ("train.micro_batch_tokens", t.micro_batch_tokens, 1, 1 << 32, True),

@@ -3,7 +3,8 @@ done, resume what is half done.
 
 Each stage is a function `run(recipe, run_dir, fp) -> manifest`. A stage's fingerprint
 covers its own config section (less the keys its table entry lists as unfingerprinted:
-logging cadence, side measurements), the target, and the output fingerprints of the stages it
+logging cadence, side measurements; and keys added later, while at their default, so a stage
+completed before a key existed stays complete), the target, and the output fingerprints of the stages it
 reads (artifacts.output_fingerprint); a complete manifest with the same fingerprint means the
 stage is skipped, unless the table entry's `revisit` says the recipe asks for more (train under a
 larger train.max_minutes: it continues from its checkpoint) or for less (it starts over). A stage whose
@@ -96,6 +97,10 @@ def hash_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()[:16]
 
 
+ADDED_KEYS = {"train.ttt_align_topk": 0}
+"""Keys added after runs existed, with their default: fingerprinted only when set to another value."""
+
+
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     sections = sections_of(stage, recipe)
     up = {}
@@ -106,6 +111,10 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     for key in STAGE_TABLE[stage].unfingerprinted:  # logging and side measurements: not the stage's output
         section, name = key.split(".")
         if isinstance(cfg.get(section), dict):
+            cfg[section].pop(name, None)
+    for key, default in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if isinstance(cfg.get(section), dict) and cfg[section].get(name, default) == default:
             cfg[section].pop(name, None)
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare

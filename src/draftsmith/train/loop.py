@@ -377,7 +377,8 @@ def make_trainable(drafter: Eagle3Drafter, tc, info: DistInfo, compute_dtype: to
     if not tc.train_head:
         drafter.lm_head.weight.requires_grad_(False)
     compiled = compile_loss(tc.compile, info.device, tc.batch_layout, tc.attention)
-    model = parallelize(TTTLoss(drafter, int(tc.ttt_steps), tc.ttt_decay, tc.attention, "inductor" if compiled else None),
+    model = parallelize(TTTLoss(drafter, int(tc.ttt_steps), tc.ttt_decay, tc.attention, "inductor" if compiled else None,
+                                 int(tc.ttt_align_topk)),
                         info, compute_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Trainable(model, [p for _, p in named], {n: n.removeprefix("drafter.") for n, _ in named},

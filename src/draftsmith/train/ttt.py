@@ -8,6 +8,9 @@ For a sample x[0..L-1] with aux states a[t] and the target's final hidden states
     CE_i    = sum_t w_i[t] * soft-CE(target, lm_head(norm(g_i[t]))) / sum_t w_i[t],
     w_i[t]  = loss_mask[t+2+i]  (0 past the end)
     loss    = sum_i decay**i * CE_i
+With align_topk k > 0 (train.ttt_align_topk) a row's loss at step i > 0 also needs the target's
+token within the drafter's top-k at steps 0..i-1 of that row (its later drafts are verified only
+then); the denominators stay the same.
 Accuracy at position i: argmax of the draft == argmax of the restricted target, over weighted rows.
 
 With gradient accumulation and several ranks, a micro-batch divides by the weight of the
@@ -55,7 +58,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
              final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float,
              weight_total: Optional[torch.Tensor] = None, attention: str = "auto",
              position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-             mask=None) -> TTTOutput:
+             mask=None, align_topk: int = 0) -> TTTOutput:
     """The TTT loss of a batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
     final_hidden [B, L, H]. Padded batches (doc_ids None): one sample per row from position 0,
     padding (token 0, mask 0) after it, so causal attention keeps it out of every real row.
@@ -64,7 +67,8 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     (TTTMask) and a row whose label t+2+i lies in another sample has weight 0, as past the end
     of a padded sample, so a packed batch gives the loss of its samples padded.
     `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights).
-    `mask`: the batch's draft.ttt_attention.TTTMask, prepared (default: built here from doc_ids)."""
+    `mask`: the batch's draft.ttt_attention.TTTMask, prepared (default: built here from doc_ids).
+    `align_topk`: 0, or k: the loss of step i > 0 only at rows still aligned (module docstring)."""
     B, L = input_ids.shape
     dev = input_ids.device
     probs, target_argmax = target_distribution(final_hidden, head_weight)
@@ -75,6 +79,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     doc_ext = None if doc_ids is None else F.pad(doc_ids, (0, 1), value=-1)
     hidden = model.project(aux_hidden)
     cache: list = []
+    alive = None  # [B, rows] rows whose drafts so far kept the target's token in the top-k (align_topk)
     loss = torch.zeros((), device=dev)
     ce_all, correct_all, weight_all = [], [], []
     for i in range(steps):
@@ -92,9 +97,13 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
         ce = -(probs[:, 1 + i:1 + i + rows] * logp).sum(-1)
         wsum = w.sum()
         denom = wsum if weight_total is None else weight_total[i].to(device=dev, dtype=wsum.dtype)
-        ce_i = (ce * w).sum() / denom.clamp_min(1.0)
+        ce_i = (ce * (w if alive is None else w * alive[:, :rows])).sum() / denom.clamp_min(1.0)
         loss = loss + decay ** i * ce_i
-        hit = (logp.argmax(-1) == target_argmax[:, 1 + i:1 + i + rows]).float()
+        label = target_argmax[:, 1 + i:1 + i + rows]
+        hit = (logp.argmax(-1) == label).float()
+        if align_topk > 0:
+            top = hit if align_topk == 1 else (logp.topk(align_topk, -1).indices == label[..., None]).any(-1).float()
+            alive = top if alive is None else alive[:, :rows] * top
         ce_all.append(ce_i.detach())
         correct_all.append((hit * w).sum())
         weight_all.append(wsum)
@@ -124,9 +133,10 @@ class TTTLoss(torch.nn.Module):
     batch is built eagerly first (TTTMask.prepare) and passed in."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "auto",
-                 compile_backend: Optional[str] = None):
+                 compile_backend: Optional[str] = None, align_topk: int = 0):
         super().__init__()
         self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
+        self.align_topk = align_topk
         self.compiled = compile_backend is not None
         if compile_backend == "inductor":
             _inductor_workarounds()
@@ -138,7 +148,8 @@ class TTTLoss(torch.nn.Module):
         if self.compiled:  # the rotary tables come from transformers' rope init, which does not trace: look them up eagerly once
             rope_cos_sin(input_ids[:1, :1], self.drafter.cfg, torch.float32)
         out = self._loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
-                         self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids, mask)
+                         self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids, mask,
+                         self.align_topk)
         return out.loss, out.ce, out.correct, out.weight
 
 
