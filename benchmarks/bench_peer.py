@@ -240,7 +240,7 @@ def measure(args, run_dir: Path, recipe_flags: list[str], seed: int, ngram: bool
     recipe = ablation.recipe_for(args.recipe, run_dir, seed, recipe_flags)
     ho = ablation.heldout_acceptance(load_drafter(run_dir / "train" / "drafter"), stage_dir(Path(args.heldout), "capture"),
                                      recipe.target.path, args.depth, recipe.train.max_length)
-    row = {"seed": seed, "heldout_acc": ho["acc"], "tau_sim": ablation.simulated_tau(ho["acc"][:args.sim_depth])}
+    row = {"seed": seed, **ablation.heldout_row(ho, args.sim_depth)}
     if not args.no_engine:
         row.update(ablation.engine_taus(args, args.recipe, run_dir, seed, recipe_flags, ngram))
     return row
@@ -314,7 +314,9 @@ def main(argv=None) -> int:
         result["theirs"].append(theirs)
         result["peer_defaults"] = trained["defaults"]
         print(f"[peer] seed {seed}: ours acc {' '.join(f'{a:.3f}' for a in ours['heldout_acc'])} tau_sim {ours['tau_sim']:.3f}"
-              f" | theirs acc {' '.join(f'{a:.3f}' for a in theirs['heldout_acc'])} tau_sim {theirs['tau_sim']:.3f}", flush=True)
+              f" tau_tf {ours['tau_tf']:.3f}"
+              f" | theirs acc {' '.join(f'{a:.3f}' for a in theirs['heldout_acc'])} tau_sim {theirs['tau_sim']:.3f}"
+              f" tau_tf {theirs['tau_tf']:.3f}", flush=True)
     for side in ("ours", "theirs"):
         result[f"{side}_mean"] = ablation.mean_row(result[side])
     key = "tau_tree" if not args.no_engine else "tau_sim"

@@ -308,7 +308,7 @@ def test_ttt_loss_align_topk_counts_only_aligned_rows():
     """train.ttt_align_topk: with k = 1 step i > 0 learns at row t only while the drafter's argmax
     matched the target's at steps 0..i-1 of row t (per-row CE and hits read one row at a time
     through a one-hot loss mask, then summed by hand); with k = the draft vocab every row stays
-    aligned: the plain loss."""
+    aligned: the plain loss. Chain acceptance counts the rows whose hits run unbroken from step 0."""
     from draftsmith.train.ttt import position_weights, ttt_loss
 
     V = 3  # a small draft vocab: the random drafter hits about a third of the rows
@@ -340,3 +340,5 @@ def test_ttt_loss_align_topk_counts_only_aligned_rows():
     assert aligned.loss < plain.loss
     assert torch.equal(aligned.correct, plain.correct) and torch.equal(aligned.weight, plain.weight)  # metrics: every row
     assert torch.equal(loss(full, wt, V).loss, plain.loss)
+    run = torch.cumprod(hit, 0)  # chain acceptance: rows whose drafts matched at every step so far
+    torch.testing.assert_close(plain.chain.double(), torch.stack([run[i, :L - 2 - i].sum() for i in range(steps)]))

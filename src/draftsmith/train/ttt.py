@@ -11,7 +11,9 @@ For a sample x[0..L-1] with aux states a[t] and the target's final hidden states
 With align_topk k > 0 (train.ttt_align_topk) a row's loss at step i > 0 also needs the target's
 token within the drafter's top-k at steps 0..i-1 of that row (its later drafts are verified only
 then); the denominators stay the same.
-Accuracy at position i: argmax of the draft == argmax of the restricted target, over weighted rows.
+Accuracy at position i: argmax of the draft == argmax of the restricted target, over weighted rows;
+chain acceptance at i: the rows whose drafts matched at every step 0..i (1 + their sum over i is
+the teacher-forced tau of a chain, which the engine reproduces on the target's own text).
 
 With gradient accumulation and several ranks, a micro-batch divides by the weight of the
 whole global batch at each position (`weight_total`, known before the forward from the loss
@@ -38,6 +40,7 @@ class TTTOutput:
     ce: torch.Tensor  # [k] CE_i, detached
     correct: torch.Tensor  # [k] weighted count of argmax matches
     weight: torch.Tensor  # [k] sum of row weights
+    chain: torch.Tensor  # [k] weighted count of rows whose argmax matched at steps 0..i (a chain's acceptance)
 
 
 @torch.no_grad()
@@ -79,15 +82,16 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     doc_ext = None if doc_ids is None else F.pad(doc_ids, (0, 1), value=-1)
     hidden = model.project(aux_hidden)
     cache: list = []
+    chain = None  # [B, rows] rows whose drafts matched the target's argmax at every step so far
     alive = None  # [B, rows] rows whose drafts so far kept the target's token in the top-k (align_topk)
     loss = torch.zeros((), device=dev)
-    ce_all, correct_all, weight_all = [], [], []
+    ce_all, correct_all, weight_all, chain_all = [], [], [], []
     for i in range(steps):
         g = model.ttt_step(ids_ext[:, 1 + i:1 + i + L], hidden, positions + i, cache, attention, attn_mask)
         hidden = g
         rows = L - 1 - i  # rows t whose target position t+1+i exists
         if rows <= 0:  # batch shorter than the unroll: nothing left to predict
-            for acc in (ce_all, correct_all, weight_all):
+            for acc in (ce_all, correct_all, weight_all, chain_all):
                 acc.append(torch.zeros((), device=dev))
             continue
         logp = model.logits(g[:, :rows]).float().log_softmax(-1)
@@ -101,13 +105,17 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
         loss = loss + decay ** i * ce_i
         label = target_argmax[:, 1 + i:1 + i + rows]
         hit = (logp.argmax(-1) == label).float()
-        if align_topk > 0:
-            top = hit if align_topk == 1 else (logp.topk(align_topk, -1).indices == label[..., None]).any(-1).float()
+        chain = hit if chain is None else chain[:, :rows] * hit
+        if align_topk == 1:
+            alive = chain
+        elif align_topk > 1:
+            top = (logp.topk(align_topk, -1).indices == label[..., None]).any(-1).float()
             alive = top if alive is None else alive[:, :rows] * top
         ce_all.append(ce_i.detach())
         correct_all.append((hit * w).sum())
         weight_all.append(wsum)
-    return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all))
+        chain_all.append((chain * w).sum())
+    return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all), torch.stack(chain_all))
 
 
 def _inductor_workarounds() -> None:
