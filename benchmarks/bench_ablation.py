@@ -56,6 +56,9 @@ VARIANTS: dict[str, list[str]] = {
     "head_frozen": ["--train.head_init", "target", "--train.train_head", "false"],
     # loss weighting over TTT positions (EAGLE-3's 0.8**i; the default is 1.0)
     "decay0.8": ["--train.ttt_decay", "0.8"],
+    # rows past a miss left out of later steps (GRIFFIN's token-alignable training; top-1 and top-4)
+    "align1": ["--train.ttt_align_topk", "1"],
+    "align4": ["--train.ttt_align_topk", "4"],
     # schedule: speculators' linear decay to 0
     "linear": ["--train.lr_schedule", "linear", "--train.min_lr_ratio", "0.0"],
     # architecture flags (speculators' defaults turn all three on; norm_output is on by default)
