@@ -106,6 +106,8 @@ def test_measured_costs_interpolate():
     c = costmodel.MeasuredCost.from_json({"target_forward_ms": {"1": 10, "4": 13, "8": 21}, "draft_step_ms": 1})
     assert c.verify_ms(1) == 10 and c.verify_ms(2) == pytest.approx(11) and c.verify_ms(6) == pytest.approx(17)
     assert c.verify_ms(16) == pytest.approx(37)  # extrapolated from the last two points
+    noisy = costmodel.MeasuredCost.from_json({"target_forward_ms": {"1": 2.5, "16": 2.6, "32": 2.0}, "draft_step_ms": 0.5})
+    assert noisy.verify_ms(128) == 2.0  # a falling last slope (CPU timing noise) is not followed past the last point
     with pytest.raises(plan.DraftsmithError, match="no entry for 1 token"):
         costmodel.MeasuredCost.from_json({"target_forward_ms": {"2": 1}}, "x.json")
 

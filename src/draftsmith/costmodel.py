@@ -242,7 +242,9 @@ class StepCost(Protocol):
 
 
 def _interpolate(points: dict[int, float], x: float) -> float:
-    """Linear between measured points; past the last, linear from the last two; one point: proportional."""
+    """Linear between measured points; past the last, linear from the last two but never below the
+    last (more rows never cost less: noisy timings can give the last two a falling slope, which
+    reached 0 ms and a division by zero in `plan` on a loaded CPU); one point: proportional."""
     xs = sorted(points)
     if x in points:
         return points[x]
@@ -251,7 +253,8 @@ def _interpolate(points: dict[int, float], x: float) -> float:
         return ys[0] * x / xs[0]
     i = max(next((i for i, k in enumerate(xs) if k > x), len(xs) - 1), 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, ys[-1]) if x > xs[-1] else max(y, 0.0)
 
 
 @dataclass
