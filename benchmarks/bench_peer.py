@@ -246,6 +246,14 @@ def measure(args, run_dir: Path, recipe_flags: list[str], seed: int, ngram: bool
     return row
 
 
+def lap(phases: dict, name: str, since: float, seed: int) -> float:
+    """phases[name] = seconds since `since`, printed; returns now."""
+    now = time.time()
+    phases[name] = round(now - since, 1)
+    print(f"[peer] seed {seed}: {name} in {phases[name]} s", flush=True)
+    return now
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", help="base recipe YAML (our training recipe: defaults unless flags are given)")
@@ -297,9 +305,13 @@ def main(argv=None) -> int:
         ablation.link_stages(Path(args.base), theirs_dir)
         # the peer trains first: a failure of its trainer (a dependency, a kernel) ends the run before ours
         # spent its time (on the H200, 2026-12-05, it failed after ours had trained and been measured)
+        phases, t = {}, time.time()  # where a device call's time goes, printed as it goes (result["phases_s"])
         trained = trained_peer(args, recipe, seed, theirs_dir / "speculators")
+        t = lap(phases, "peer_trained", t, seed)
         m = pipeline.run_stage("train", recipe)
+        t = lap(phases, "ours_trained", t, seed)
         ours = measure(args, ours_dir, ours_flags, seed, args.ngram)
+        t = lap(phases, "ours_measured", t, seed)
         ours.update(steps=m["counts"]["steps"], train_s=m["timings"].get("train_s_this_session"))
         result["ours"].append(ours)
 
@@ -310,6 +322,8 @@ def main(argv=None) -> int:
         else:
             info = import_peer(trained["checkpoint"], recipe, theirs_dir)
         theirs = measure(args, theirs_dir, ours_flags, seed)
+        lap(phases, "peer_imported_and_measured", t, seed)
+        result.setdefault("phases_s", {})[str(seed)] = phases
         theirs.update({k: v for k, v in trained.items() if k != "defaults"}, imported=info)
         result["theirs"].append(theirs)
         result["peer_defaults"] = trained["defaults"]

@@ -29,6 +29,10 @@ def test_bench_peer_smoke(tmp_path):
     assert theirs["imported"]["sliding_window"] == 2048
     assert theirs["steps"] == theirs["steps_per_epoch"] >= 1  # one epoch, as our smoke recipe
     assert r["peer_tau_ratio_of"] == "tau_sim" and r["peer_tau_ratio"] == ours["tau_sim"] / theirs["tau_sim"]
+    # the teacher-forced chain tau: 1 + the held-out chain acceptance over sim_depth positions
+    assert ours["tau_tf"] == 1 + sum(ours["heldout_chain"][:r["sim_depth"]])
+    assert all(0 <= c <= a for c, a in zip(ours["heldout_chain"], ours["heldout_acc"]))
+    assert set(r["phases_s"]["0"]) == {"peer_trained", "ours_trained", "ours_measured", "peer_imported_and_measured"}
 
 
 def test_bench_ablation_smoke(tmp_path):
