@@ -207,19 +207,21 @@ def run_variant(args, name: str, flags: list[str], seed: int, ngram: bool = Fals
     drafter = load_drafter(run_dir / "train" / "drafter")
     ho = heldout_acceptance(drafter, stage_dir(Path(args.heldout), "capture"), recipe.target.path, args.depth,
                             recipe.train.max_length)
-    row = {"seed": seed, **heldout_row(ho, args.sim_depth), "steps": m["counts"]["steps"], "tokens_per_epoch": m["counts"]["tokens_per_epoch"],
-           "epochs_started": m["counts"]["epochs_started"], "train_loss": m["metrics"]["loss"],
+    row = {"seed": seed, **heldout_row(ho, args.sim_depth), "steps": m["counts"]["steps"],
+           "tokens_per_epoch": m["counts"]["tokens_per_epoch"], "epochs_started": m["counts"]["epochs_started"],
+           "train_loss": m["metrics"]["loss"],
            "train_s": round(m.get("timings", {}).get("train_s_this_session", train_s), 1)}
     if not args.no_engine:
         row.update(engine_taus(args, args.recipe, run_dir, seed, flags, ngram))
     print(f"[ablation] {name} seed {seed}: held-out acc {' '.join(f'{a:.3f}' for a in ho['acc'])} | "
-          f"tau_sim {row['tau_sim']:.3f} tau_tf {row['tau_tf']:.3f}" + (f" | tau chain {row['tau_chain']:.3f} tree {row['tau_tree']:.3f}"
-                                             if "tau_tree" in row else ""), flush=True)
+          f"tau_sim {row['tau_sim']:.3f} tau_tf {row['tau_tf']:.3f}"
+          + (f" | tau chain {row['tau_chain']:.3f} tree {row['tau_tree']:.3f}" if "tau_tree" in row else ""), flush=True)
     return row
 
 
 def mean_row(rows: list[dict]) -> dict:
-    keys = [k for k in ("tau_sim", "tau_tf", "tau_chain", "tau_tree", "speedup_chain", "speedup_tree", "ngram_tau", "ngram_speedup", "train_loss") if all(k in r for r in rows)]
+    keys = [k for k in ("tau_sim", "tau_tf", "tau_chain", "tau_tree", "speedup_chain", "speedup_tree", "ngram_tau",
+                        "ngram_speedup", "train_loss") if all(k in r for r in rows)]
     out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
     for k in ("heldout_acc", "heldout_chain"):
         if all(k in r for r in rows):
