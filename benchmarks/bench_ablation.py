@@ -202,20 +202,26 @@ def run_variant(args, name: str, flags: list[str], seed: int, ngram: bool = Fals
     t0 = time.time()
     m = pipeline.run_stage("train", recipe)
     train_s = time.time() - t0
-    from draftsmith.draft.io import load_drafter
-
-    drafter = load_drafter(run_dir / "train" / "drafter")
-    ho = heldout_acceptance(drafter, stage_dir(Path(args.heldout), "capture"), recipe.target.path, args.depth,
-                            recipe.train.max_length)
-    row = {"seed": seed, **heldout_row(ho, args.sim_depth), "steps": m["counts"]["steps"],
+    row = {**measure(args, run_dir, recipe, seed, flags, ngram), "steps": m["counts"]["steps"],
            "tokens_per_epoch": m["counts"]["tokens_per_epoch"], "epochs_started": m["counts"]["epochs_started"],
            "train_loss": m["metrics"]["loss"],
            "train_s": round(m.get("timings", {}).get("train_s_this_session", train_s), 1)}
-    if not args.no_engine:
-        row.update(engine_taus(args, args.recipe, run_dir, seed, flags, ngram))
-    print(f"[ablation] {name} seed {seed}: held-out acc {' '.join(f'{a:.3f}' for a in ho['acc'])} | "
+    print(f"[ablation] {name} seed {seed}: held-out acc {' '.join(f'{a:.3f}' for a in row['heldout_acc'])} | "
           f"tau_sim {row['tau_sim']:.3f} tau_tf {row['tau_tf']:.3f}"
           + (f" | tau chain {row['tau_chain']:.3f} tree {row['tau_tree']:.3f}" if "tau_tree" in row else ""), flush=True)
+    return row
+
+
+def measure(args, run_dir: Path, recipe, seed: int, flags: list[str], ngram: bool = False) -> dict:
+    """A trained drafter's row: its held-out figures (heldout_row) and, unless --no-engine, the
+    engine's tau and speedup on MT-Bench (engine_taus; n-gram beside them when asked)."""
+    from draftsmith.draft.io import load_drafter
+
+    ho = heldout_acceptance(load_drafter(run_dir / "train" / "drafter"), stage_dir(Path(args.heldout), "capture"),
+                            recipe.target.path, args.depth, recipe.train.max_length)
+    row = {"seed": seed, **heldout_row(ho, args.sim_depth)}
+    if not args.no_engine:
+        row.update(engine_taus(args, args.recipe, run_dir, seed, flags, ngram))
     return row
 
 

@@ -232,20 +232,6 @@ def import_peer(checkpoint: str, recipe, run_dir: Path) -> dict:
     return read_json(run_dir / "train" / "manifest.json")["imported"]
 
 
-def measure(args, run_dir: Path, recipe_flags: list[str], seed: int, ngram: bool = False) -> dict:
-    """Held-out acceptance per position and the engine's tau and speedup on MT-Bench, as bench_ablation
-    (n-gram prompt lookup beside them when asked)."""
-    from draftsmith.draft.io import load_drafter
-
-    recipe = ablation.recipe_for(args.recipe, run_dir, seed, recipe_flags)
-    ho = ablation.heldout_acceptance(load_drafter(run_dir / "train" / "drafter"), stage_dir(Path(args.heldout), "capture"),
-                                     recipe.target.path, args.depth, recipe.train.max_length)
-    row = {"seed": seed, **ablation.heldout_row(ho, args.sim_depth)}
-    if not args.no_engine:
-        row.update(ablation.engine_taus(args, args.recipe, run_dir, seed, recipe_flags, ngram))
-    return row
-
-
 def lap(phases: dict, name: str, since: float, seed: int) -> float:
     """phases[name] = seconds since `since`, printed; returns now."""
     now = time.time()
@@ -310,7 +296,7 @@ def main(argv=None) -> int:
         t = lap(phases, "peer_trained", t, seed)
         m = pipeline.run_stage("train", recipe)
         t = lap(phases, "ours_trained", t, seed)
-        ours = measure(args, ours_dir, ours_flags, seed, args.ngram)
+        ours = ablation.measure(args, ours_dir, recipe, seed, ours_flags, args.ngram)
         t = lap(phases, "ours_measured", t, seed)
         ours.update(steps=m["counts"]["steps"], train_s=m["timings"].get("train_s_this_session"))
         result["ours"].append(ours)
@@ -321,7 +307,8 @@ def main(argv=None) -> int:
             info = read_json(imported)["imported"]
         else:
             info = import_peer(trained["checkpoint"], recipe, theirs_dir)
-        theirs = measure(args, theirs_dir, ours_flags, seed)
+        theirs = ablation.measure(args, theirs_dir, ablation.recipe_for(args.recipe, theirs_dir, seed, ours_flags), seed,
+                                  ours_flags)
         lap(phases, "peer_imported_and_measured", t, seed)
         result.setdefault("phases_s", {})[str(seed)] = phases
         theirs.update({k: v for k, v in trained.items() if k != "defaults"}, imported=info)
