@@ -21,6 +21,7 @@ that wait. Rank 0 failing a stage stops the other ranks with its error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -97,8 +98,14 @@ def hash_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()[:16]
 
 
-ADDED_KEYS = {"train.ttt_align_topk": 0}
-"""Keys added after runs existed, with their default: fingerprinted only when set to another value."""
+ADDED_KEYS = ("train.ttt_align_topk",)
+"""Keys added after runs existed: fingerprinted only when set off their default (the config's own)."""
+
+
+def default_of(recipe: Recipe, key: str):
+    """The default of a recipe key ("section.name": its config dataclass field), as fingerprints serialise it."""
+    section, name = key.split(".")
+    return to_jsonable(next(f.default for f in dataclasses.fields(getattr(recipe, section)) if f.name == name))
 
 
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
@@ -108,13 +115,10 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
         m = load_manifest(stage_dir(run_dir, u))
         up[u] = output_fingerprint(m) if m and m.get("status") == "complete" else None
     cfg = {s: to_jsonable(getattr(recipe, s)) for s in sections}
-    for key in STAGE_TABLE[stage].unfingerprinted:  # logging and side measurements: not the stage's output
+    # logging and side measurements (not the stage's output), and keys added later while at their default
+    for key in (*STAGE_TABLE[stage].unfingerprinted, *ADDED_KEYS):
         section, name = key.split(".")
-        if isinstance(cfg.get(section), dict):
-            cfg[section].pop(name, None)
-    for key, default in ADDED_KEYS.items():
-        section, name = key.split(".")
-        if isinstance(cfg.get(section), dict) and cfg[section].get(name, default) == default:
+        if isinstance(cfg.get(section), dict) and (key not in ADDED_KEYS or cfg[section].get(name) == default_of(recipe, key)):
             cfg[section].pop(name, None)
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
