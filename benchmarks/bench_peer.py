@@ -28,6 +28,7 @@ tau of our engine on MT-Bench (chain and tree, greedy).
     OMP_NUM_THREADS=1 python benchmarks/bench_peer.py --recipe runs/lab/base.yaml --base runs/lab/base \
         --heldout runs/lab/heldout --work runs/lab/peer --seeds 0,1 --out benchmarks/results/peer-cpu.json
     python benchmarks/bench_peer.py --smoke        # tiny synthetic target, no engine (the CPU test)
+    python benchmarks/bench_peer.py --merge s0.json s1.json s2.json --out all.json   # seeds run apart
 
 JSON: ours and theirs per seed (held-out acceptance, simulated tau, measured tau chain/tree),
 means, and peer_tau_ratio = our mean held-out tree tau / theirs (the issue's goal: >= 1.05).
@@ -270,8 +271,12 @@ def main(argv=None) -> int:
                    help="measure n-gram prompt lookup beside our drafter (same prompts and evaluation; it needs no drafter)")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic target, one seed, no engine (CPU test)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="no training: merge bench_peer outputs of other seeds (same settings) into --out")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.smoke:
         import tempfile
 
@@ -318,16 +323,46 @@ def main(argv=None) -> int:
               f" tau_tf {ours['tau_tf']:.3f}"
               f" | theirs acc {' '.join(f'{a:.3f}' for a in theirs['heldout_acc'])} tau_sim {theirs['tau_sim']:.3f}"
               f" tau_tf {theirs['tau_tf']:.3f}", flush=True)
+    return summarize(result, "tau_tree" if not args.no_engine else "tau_sim", args.out)
+
+
+def summarize(result: dict, key: str, out: str | None) -> int:
+    """Both sides' means over the seeds and peer_tau_ratio (ours / theirs, of `key`); printed, and
+    written to `out`."""
     for side in ("ours", "theirs"):
         result[f"{side}_mean"] = ablation.mean_row(result[side])
-    key = "tau_tree" if not args.no_engine else "tau_sim"
     result["peer_tau_ratio"] = result["ours_mean"][key] / result["theirs_mean"][key]
     result["peer_tau_ratio_of"] = key
-    print(f"[peer] ours {key} {result['ours_mean'][key]:.3f}, theirs {result['theirs_mean'][key]:.3f}: "
-          f"peer_tau_ratio {result['peer_tau_ratio']:.3f}")
-    if args.out:
-        atomic_write_json(Path(args.out), result)
+    print(f"[peer] seeds {','.join(str(r['seed']) for r in result['ours'])}: ours {key} {result['ours_mean'][key]:.3f}, "
+          f"theirs {result['theirs_mean'][key]:.3f}: peer_tau_ratio {result['peer_tau_ratio']:.3f}")
+    if out:
+        atomic_write_json(Path(out), result)
     return 0 if math.isfinite(result["peer_tau_ratio"]) else 1
+
+
+SAME = ("recipe", "ours_flags", "depth", "sim_depth", "eval_prompts", "benchmark", "peer_tau_ratio_of")
+
+
+def merge(files: list[str], out: str | None) -> int:
+    """One result from runs of other seeds with the same settings (a device call holds a seed or
+    two): their rows together, the means and ratio computed again. Each file's own summary is left."""
+    results = [read_json(Path(f)) for f in files]
+    first = results[0]
+    for f, r in zip(files[1:], results[1:]):
+        for k in SAME:
+            if r.get(k) != first.get(k):
+                raise SystemExit(f"bench_peer --merge: {f}: {k} {r.get(k)!r} differs from {files[0]}'s "
+                                 f"{first.get(k)!r}; merge runs of the same settings only")
+    seeds = [row["seed"] for r in results for row in r["ours"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"bench_peer --merge: seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} in more "
+                         f"than one of {', '.join(files)}; keep one run of each seed")
+    merged = {k: first[k] for k in SAME[:-1]} | {"merged_from": [Path(f).name for f in files]}
+    for side in ("ours", "theirs"):
+        merged[side] = [row for r in results for row in r[side]]
+    merged["peer_defaults"] = first.get("peer_defaults")
+    merged["phases_s"] = {s: v for r in results for s, v in r.get("phases_s", {}).items()}
+    return summarize(merged, first["peer_tau_ratio_of"], out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,3 +73,33 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["speedup_tree"] == 1.3 and calls == []
     atomic_write_json(run / "eval" / "manifest.json", evaluation("older-code"))
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
+
+
+def test_merge_of_seeds_run_apart(tmp_path, monkeypatch, capsys):
+    """bench_peer --merge: seeds measured in separate calls become one result whose means and ratio
+    are over all their rows; files of other settings, or one seed twice, are refused by name."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
+    import bench_peer
+
+    def result(seed: int, ours: float, theirs: float, flags=("--train.lr", "0.003")) -> Path:
+        row = lambda tau: {"seed": seed, "tau_tree": tau, "tau_sim": tau + 0.1, "heldout_acc": [0.8, 0.7]}  # noqa: E731
+        r = {"recipe": "r.yaml", "ours_flags": list(flags), "depth": 2, "sim_depth": 2, "eval_prompts": 16,
+             "benchmark": "mt.jsonl", "peer_tau_ratio_of": "tau_tree", "ours": [row(ours)], "theirs": [row(theirs)],
+             "phases_s": {str(seed): {"peer_trained": 1.0}}}
+        p = tmp_path / f"s{seed}-{len(flags)}.json"
+        p.write_text(json.dumps(r))
+        return str(p)
+
+    out = tmp_path / "all.json"
+    assert bench_peer.main(["--merge", result(0, 4.5, 4.0), result(1, 4.3, 4.4), "--out", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert [r["seed"] for r in m["ours"]] == [0, 1] and sorted(m["phases_s"]) == ["0", "1"]
+    assert m["ours_mean"]["tau_tree"] == 4.4 and m["theirs_mean"]["tau_tree"] == 4.2
+    assert m["peer_tau_ratio"] == 4.4 / 4.2 and m["peer_tau_ratio_of"] == "tau_tree"
+    with pytest.raises(SystemExit, match="ours_flags .* differs"):
+        bench_peer.main(["--merge", result(0, 4.5, 4.0), result(2, 4.3, 4.4, flags=()), "--out", str(out)])
+    with pytest.raises(SystemExit, match=r"seed\(s\) \[0\] in more than one"):
+        bench_peer.main(["--merge", result(0, 4.5, 4.0), str(tmp_path / "s1-2.json"), result(0, 4.1, 4.0),
+                         "--out", str(tmp_path / "dup.json")])
+    assert not (tmp_path / "dup.json").exists()
