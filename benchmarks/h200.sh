@@ -103,11 +103,12 @@ for s in $STEPS; do case $s in
              # imports: its wheels travel in .whl/peer (cp312, listed in BENCHMARKS.md) and are unpacked into PEER_SITE
              # (PEER_SITE= empty: the installed packages, as on this repository's CPU machine)
              # PEER_OURS: flags for our side only (e.g. --train.batch_tokens 8192 with PEER_OURS_NAME=ours8k: its own folder)
+             # PEER_SEEDS: e.g. 0,1,2 (warm: ~150 s a seed after the first; or one call a seed, then bench_peer.py --merge)
              SITE=${PEER_SITE-/tmp/peer-site}
              [ -z "$SITE" ] || [ -d "$SITE" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
              step peer "${PEER_LIMIT:-450}" env PYTHONPATH="${SITE:+$SITE:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
                --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
-               --work /tmp/runs/peer/work --seeds 0 --ngram --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
+               --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" --ngram --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
                --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
                --ours-name "${PEER_OURS_NAME:-ours}" \
                --out "$OUT/bench_peer.json" ;;
