@@ -357,7 +357,7 @@ def merge(files: list[str], out: str | None) -> int:
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"bench_peer --merge: seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} in more "
                          f"than one of {', '.join(files)}; keep one run of each seed")
-    merged = {k: first[k] for k in SAME[:-1]} | {"merged_from": [Path(f).name for f in files]}
+    merged = {k: first.get(k) for k in SAME} | {"merged_from": [Path(f).name for f in files]}
     for side in ("ours", "theirs"):
         merged[side] = [row for r in results for row in r[side]]
     merged["peer_defaults"] = first.get("peer_defaults")
