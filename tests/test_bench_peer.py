@@ -75,11 +75,10 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
 
 
-def test_merge_of_seeds_run_apart(tmp_path, monkeypatch, capsys):
+def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
     """bench_peer --merge: seeds measured in separate calls become one result whose means and ratio
     are over all their rows; files of other settings, or one seed twice, are refused by name."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
     import bench_peer
 
     def result(seed: int, ours: float, theirs: float, flags=("--train.lr", "0.003")) -> Path:
