@@ -184,7 +184,8 @@ class TrainConfig:
     not propose. k = 1 matches chain decoding; a tree also follows a miss into its other top-k
     children. The accuracies logged stay over every row (comparable across settings). Off by
     default: on the CPU lab (Muon 3e-3, 630 steps) top-4 gave MT-Bench tree tau 1.930 over three
-    seeds against 1.972 without, top-1 1.872 against 1.859 on one (BENCHMARKS.md, eleventh session)."""
+    seeds against 1.972 without, top-1 1.872 against 1.859 on one (BENCHMARKS.md, eleventh session);
+    on the H200 top-1 gave 4.22 against 4.32 (one seed, twelfth session)."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
