@@ -47,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ablation besid
 import bench_ablation as ablation  # noqa: E402
 
 from draftsmith import pipeline  # noqa: E402
-from draftsmith.artifacts import atomic_write_json, read_json, require_complete, stage_dir, verify_shards  # noqa: E402
+from draftsmith.artifacts import (DraftsmithError, atomic_write_json, read_json, require_complete, stage_dir,  # noqa: E402
+                                  verify_shards)
 
 # speculators 0.9.0's defaults for `--speculator-type eagle3` (train/config/schema.py: OptimizerArgs,
 # SchedulerArgs, LossArgs, DraftArgs after _resolve_derived_defaults; train/trainer.py: clip 1.0).
@@ -346,7 +347,14 @@ SAME = ("recipe", "ours_flags", "depth", "sim_depth", "eval_prompts", "benchmark
 def merge(files: list[str], out: str | None) -> int:
     """One result from runs of other seeds with the same settings (a device call holds a seed or
     two): their rows together, the means and ratio computed again. Each file's own summary is left."""
-    results = [read_json(Path(f)) for f in files]
+    try:
+        results = [read_json(Path(f)) for f in files]
+    except DraftsmithError as e:
+        raise SystemExit(f"bench_peer --merge: {e}") from None
+    for f, r in zip(files, results):
+        if not all(k in r for k in ("ours", "theirs", "peer_tau_ratio_of")):
+            raise SystemExit(f"bench_peer --merge: {f}: not a bench_peer result (no ours, theirs or peer_tau_ratio_of); "
+                             "merge the --out files of bench_peer runs")
     first = results[0]
     for f, r in zip(files[1:], results[1:]):
         for k in SAME:

@@ -77,7 +77,8 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
 
 def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
     """bench_peer --merge: seeds measured in separate calls become one result whose means and ratio
-    are over all their rows; files of other settings, or one seed twice, are refused by name."""
+    are over all their rows; files of other settings, one seed twice, a missing file or another
+    JSON are refused in one line naming the file."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_peer
 
@@ -101,4 +102,9 @@ def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"seed\(s\) \[0\] in more than one"):
         bench_peer.main(["--merge", result(0, 4.5, 4.0), str(tmp_path / "s1-2.json"), result(0, 4.1, 4.0),
                          "--out", str(tmp_path / "dup.json")])
+    assert not (tmp_path / "dup.json").exists()
+    (tmp_path / "other.json").write_text(json.dumps({"recipe": "r.yaml"}))
+    for bad, why in (("missing.json", "file not found"), ("other.json", "not a bench_peer result")):
+        with pytest.raises(SystemExit, match=f"--merge: .*{bad}: {why}"):
+            bench_peer.main(["--merge", result(0, 4.5, 4.0), str(tmp_path / bad), "--out", str(tmp_path / "dup.json")])
     assert not (tmp_path / "dup.json").exists()
