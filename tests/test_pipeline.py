@@ -346,7 +346,8 @@ def test_run_dir_lock(tmp_path, target, capsys):
         holder.wait()
 
 
-def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypatch):
+@pytest.mark.parametrize("key,value", [("ttt_align_topk", 1), ("ttt_target_temperature", 0.0)])
+def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypatch, key, value):
     """A train key added after runs existed (pipeline.ADDED_KEYS) is fingerprinted only off its
     default: the recipe serialised without it (as the code before it did) and with its default give
     the same train fingerprint, so a complete run stays complete; setting it retrains."""
@@ -355,15 +356,16 @@ def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypat
     import draftsmith.pipeline as pl
     from draftsmith.config import parse_recipe
 
+    assert f"train.{key}" in pl.ADDED_KEYS
     run = tmp_path / "run"
     recipe, _ = parse_recipe([str(write_recipe(tmp_path, target, run))])
     fp = pl.stage_fingerprint("train", recipe, run)
-    assert pl.stage_fingerprint("train", replace(recipe, train=replace(recipe.train, ttt_align_topk=1)), run) != fp
+    assert pl.stage_fingerprint("train", replace(recipe, train=replace(recipe.train, **{key: value})), run) != fp
     real = pl.to_jsonable
 
     def older(x):  # the config as the code before the key serialised it
         out = real(x)
-        return {k: v for k, v in out.items() if k != "ttt_align_topk"} if isinstance(out, dict) else out
+        return {k: v for k, v in out.items() if k != key} if isinstance(out, dict) else out
 
     monkeypatch.setattr(pl, "to_jsonable", older)
     assert pl.stage_fingerprint("train", recipe, run) == fp

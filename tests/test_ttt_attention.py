@@ -342,3 +342,29 @@ def test_ttt_loss_align_topk_counts_only_aligned_rows():
     assert torch.equal(loss(full, wt, V).loss, plain.loss)
     run = torch.cumprod(hit, 0)  # chain acceptance: rows whose drafts matched at every step so far
     torch.testing.assert_close(plain.chain.double(), torch.stack([run[i, :L - 2 - i].sum() for i in range(steps)]))
+
+
+def test_ttt_loss_target_temperature_is_the_target_logits_scaled():
+    """train.ttt_target_temperature T: the drafter learns softmax(logits / T), so T = 0.5 gives
+    exactly the loss of final hidden states doubled (logits = final @ head.T) at T = 1, and T = 0
+    (hard labels: the target's argmax alone) the limit of a saturated softmax. The argmax, and so
+    accuracy and chain counts, do not move."""
+    from draftsmith.train.ttt import ttt_loss
+
+    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=50, draft_vocab_size=7)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg).double()
+    head = torch.randn(7, 32, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    L, steps = 24, 3
+    ids = torch.randint(0, 50, (1, L), generator=g)
+    aux, final = torch.randn(1, L, 96, generator=g, dtype=torch.float64), torch.randn(1, L, 32, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, L, dtype=torch.float64)
+    loss = lambda f, t: ttt_loss(model, ids, mask, aux, f, head, steps, 1.0, None, "reference", temperature=t)  # noqa: E731
+    soft, half, hard = loss(final, 1.0), loss(final, 0.5), loss(final, 0.0)
+    torch.testing.assert_close(half.loss, loss(2 * final, 1.0).loss)
+    torch.testing.assert_close(hard.loss, loss(1e4 * final, 1.0).loss)
+    assert not torch.allclose(soft.loss, half.loss) and not torch.allclose(half.loss, hard.loss)
+    for out in (half, hard):
+        assert torch.equal(out.correct, soft.correct) and torch.equal(out.chain, soft.chain)

@@ -186,6 +186,10 @@ class TrainConfig:
     default: on the CPU lab (Muon 3e-3, 630 steps) top-4 gave MT-Bench tree tau 1.930 over three
     seeds against 1.972 without, top-1 1.872 against 1.859 on one (BENCHMARKS.md, eleventh session);
     on the H200 top-1 gave 4.22 against 4.32 (one seed, twelfth session)."""
+    ttt_target_temperature: float = 1.0
+    """The distribution the drafter learns at each TTT step: the target's softmax(logits / T) over
+    the draft vocab. 1: the target's own distribution (soft CE, as EAGLE-3 and speculators train);
+    below 1 sharper, toward the token greedy verification accepts; 0: that token alone (hard labels)."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
@@ -505,6 +509,7 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("vocab.draft_vocab_size", v.draft_vocab_size, 1, 1 << 24, False),
         ("train.ttt_steps", t.ttt_steps, 1, MAX_DRAFT_STEPS, False), ("train.ttt_decay", t.ttt_decay, 1e-6, 1, False),
         ("train.ttt_align_topk", t.ttt_align_topk, 0, 1 << 24, False),
+        ("train.ttt_target_temperature", t.ttt_target_temperature, 0, 100, False),
         ("train.epochs", t.epochs, 1e-9, 1e6, False), ("train.max_steps", t.max_steps, 1, 1e9, True),
         ("train.max_tokens", t.max_tokens, 0, None, False), ("train.max_minutes", t.max_minutes, 0, None, False),
         ("train.batch_tokens", t.batch_tokens, 1, 1 << 32, False), ("train.micro_batch_tokens", t.micro_batch_tokens, 1, 1 << 32, True),

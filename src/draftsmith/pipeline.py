@@ -98,7 +98,7 @@ def hash_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()[:16]
 
 
-ADDED_KEYS = ("train.ttt_align_topk",)
+ADDED_KEYS = ("train.ttt_align_topk", "train.ttt_target_temperature")
 """Keys added after runs existed: fingerprinted only when set off their default (the config's own)."""
 
 

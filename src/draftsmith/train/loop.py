@@ -378,7 +378,7 @@ def make_trainable(drafter: Eagle3Drafter, tc, info: DistInfo, compute_dtype: to
         drafter.lm_head.weight.requires_grad_(False)
     compiled = compile_loss(tc.compile, info.device, tc.batch_layout, tc.attention)
     model = parallelize(TTTLoss(drafter, int(tc.ttt_steps), tc.ttt_decay, tc.attention, "inductor" if compiled else None,
-                                 int(tc.ttt_align_topk)),
+                                 int(tc.ttt_align_topk), float(tc.ttt_target_temperature)),
                         info, compute_dtype)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return Trainable(model, [p for _, p in named], {n: n.removeprefix("drafter.") for n, _ in named},

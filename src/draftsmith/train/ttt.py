@@ -3,8 +3,9 @@
 For a sample x[0..L-1] with aux states a[t] and the target's final hidden states f[t]:
     step 0:  h = fc(a[t]);   step i > 0: h = g of step i-1 at the same row
     g_i[t]  = drafter layer(input token x[t+1+i], h, rotary position t+i)
-    target  = softmax(f[t+1+i] @ W_lm[draft ids].T)   # the target's next-token distribution
+    target  = softmax(f[t+1+i] @ W_lm[draft ids].T / T)  # the target's next-token distribution
                                                        # at position t+1+i, restricted to the draft vocab
+                                                       # (T = train.ttt_target_temperature, 1; 0: one-hot argmax)
     CE_i    = sum_t w_i[t] * soft-CE(target, lm_head(norm(g_i[t]))) / sum_t w_i[t],
     w_i[t]  = loss_mask[t+2+i]  (0 past the end)
     loss    = sum_i decay**i * CE_i
@@ -44,11 +45,16 @@ class TTTOutput:
 
 
 @torch.no_grad()
-def target_distribution(final_hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_distribution(final_hidden: torch.Tensor, head_weight: torch.Tensor,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs float32 [B, L, Vd], argmax [B, L]) of the target restricted to the draft vocab.
-    head_weight [Vd, H] = the target's lm_head rows of the draft vocab."""
+    head_weight [Vd, H] = the target's lm_head rows of the draft vocab. probs = softmax(logits / temperature);
+    temperature 0: the argmax alone (one-hot: hard labels)."""
     logits = final_hidden.to(head_weight.dtype) @ head_weight.T
-    return logits.float().softmax(-1), logits.argmax(-1)
+    top = logits.argmax(-1)
+    if temperature == 0:
+        return F.one_hot(top, logits.shape[-1]).float(), top
+    return (logits.float() / temperature).softmax(-1), top
 
 
 def position_weights(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -61,7 +67,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
              final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float,
              weight_total: Optional[torch.Tensor] = None, attention: str = "auto",
              position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-             mask=None, align_topk: int = 0) -> TTTOutput:
+             mask=None, align_topk: int = 0, temperature: float = 1.0) -> TTTOutput:
     """The TTT loss of a batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
     final_hidden [B, L, H]. Padded batches (doc_ids None): one sample per row from position 0,
     padding (token 0, mask 0) after it, so causal attention keeps it out of every real row.
@@ -71,10 +77,11 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     of a padded sample, so a packed batch gives the loss of its samples padded.
     `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights).
     `mask`: the batch's draft.ttt_attention.TTTMask, prepared (default: built here from doc_ids).
-    `align_topk`: 0, or k: the loss of step i > 0 only at rows still aligned (module docstring)."""
+    `align_topk`: 0, or k: the loss of step i > 0 only at rows still aligned (module docstring).
+    `temperature`: of the target distribution the drafter learns (target_distribution; 0: hard labels)."""
     B, L = input_ids.shape
     dev = input_ids.device
-    probs, target_argmax = target_distribution(final_hidden, head_weight)
+    probs, target_argmax = target_distribution(final_hidden, head_weight, temperature)
     ids_ext = F.pad(input_ids, (0, steps + 1))
     mask_ext = F.pad(loss_mask.float(), (0, 1))
     positions = torch.arange(L, device=dev)[None].expand(B, L) if position_ids is None else position_ids
@@ -141,10 +148,10 @@ class TTTLoss(torch.nn.Module):
     batch is built eagerly first (TTTMask.prepare) and passed in."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, attention: str = "auto",
-                 compile_backend: Optional[str] = None, align_topk: int = 0):
+                 compile_backend: Optional[str] = None, align_topk: int = 0, temperature: float = 1.0):
         super().__init__()
         self.drafter, self.steps, self.decay, self.attention = drafter, steps, decay, attention
-        self.align_topk = align_topk
+        self.align_topk, self.temperature = align_topk, temperature
         self.compiled = compile_backend is not None
         if compile_backend == "inductor":
             _inductor_workarounds()
@@ -157,7 +164,7 @@ class TTTLoss(torch.nn.Module):
             rope_cos_sin(input_ids[:1, :1], self.drafter.cfg, torch.float32)
         out = self._loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
                          self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids, mask,
-                         self.align_topk)
+                         self.align_topk, self.temperature)
         return out.loss, out.ce, out.correct, out.weight
 
 
