@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import pipeline
-from draftsmith.artifacts import atomic_write_json, code_fingerprint, read_json, stage_dir
+from draftsmith.artifacts import DraftsmithError, atomic_write_json, code_fingerprint, read_json, require_complete, stage_dir
 from draftsmith.config import parse_recipe
 
 # name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is: since lr 3e-3
@@ -137,13 +137,16 @@ def simulated_tau(acc: list[float]) -> float:
 # ----------------------------------------------------------------------------- one variant
 
 
-def link_stages(base: Path, run_dir: Path, stages=("data", "capture", "vocab")) -> None:
-    """The variant's run folder reads the base run's data, capture and vocab (symlinks)."""
+def link_stages(base: Path, run_dir: Path, stages=("prepare", "capture", "vocab")) -> None:
+    """The variant's run folder reads the base run's data, capture and vocab (symlinks); a stage of
+    the base that is not complete is a one-line error before anything is linked."""
+    for s in stages:
+        require_complete(stage_dir(base, s), s)
     run_dir.mkdir(parents=True, exist_ok=True)
     for s in stages:
-        link = run_dir / s
-        if not link.exists():
-            link.symlink_to((base / s).resolve(), target_is_directory=True)
+        link = stage_dir(run_dir, s)
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(stage_dir(base, s).resolve(), target_is_directory=True)
 
 
 # Every variant (and bench_peer's peer) trains on all of the base capture: the held-out figures come
@@ -348,4 +351,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DraftsmithError as e:  # the pipeline's own one-line errors (a stage missing, a bad recipe)
+        sys.exit(f"bench_ablation: {e}")

@@ -374,4 +374,7 @@ def merge(files: list[str], out: str | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DraftsmithError as e:  # the pipeline's own one-line errors (a stage missing, a bad recipe)
+        sys.exit(f"bench_peer: {e}")

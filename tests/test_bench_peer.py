@@ -108,3 +108,22 @@ def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match=f"--merge: .*{bad}: {why}"):
             bench_peer.main(["--merge", result(0, 4.5, 4.0), str(tmp_path / bad), "--out", str(tmp_path / "dup.json")])
     assert not (tmp_path / "dup.json").exists()
+
+
+@pytest.mark.parametrize("script", ["bench_peer.py", "bench_ablation.py"])
+def test_a_base_without_its_stages_is_one_line_and_links_nothing(tmp_path, script):
+    """--base naming a run whose capture was never made: one line naming the stage's manifest and
+    the command that makes it, exit 1, no run folder linked to the missing stages (a second try
+    used to fail on the dangling links with a traceback)."""
+    base, work = tmp_path / "base", tmp_path / "work"
+    (base / "data").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--recipe", str(ROOT / "benchmarks" / "recipes" / "lab.yaml"),
+           "--base", str(base), "--heldout", str(base), "--work", str(work), "--no-engine"]
+    for _ in range(2):
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(script.removesuffix(".py") + ": ")
+        assert str(base / "data" / "manifest.json") in lines[0] and "draftsmith prepare" in lines[0]
+        assert not work.exists() or not any(work.rglob("*"))
