@@ -306,6 +306,7 @@ def main(argv=None) -> int:
         t = lap(phases, "ours_measured", t, seed)
         ours.update(steps=m["counts"]["steps"], train_s=m["timings"].get("train_s_this_session"))
         result["ours"].append(ours)
+        keep_partial(result, args.out, f"seed {seed}: ours measured, the peer not yet", seed, "ours", ours)
 
         imported = theirs_dir / "train" / "manifest.json"
         if imported.exists() and read_json(imported).get("status") == "complete" and \
@@ -320,11 +321,20 @@ def main(argv=None) -> int:
         theirs.update({k: v for k, v in trained.items() if k != "defaults"}, imported=info)
         result["theirs"].append(theirs)
         result["peer_defaults"] = trained["defaults"]
-        print(f"[peer] seed {seed}: ours acc {' '.join(f'{a:.3f}' for a in ours['heldout_acc'])} tau_sim {ours['tau_sim']:.3f}"
-              f" tau_tf {ours['tau_tf']:.3f}"
-              f" | theirs acc {' '.join(f'{a:.3f}' for a in theirs['heldout_acc'])} tau_sim {theirs['tau_sim']:.3f}"
-              f" tau_tf {theirs['tau_tf']:.3f}", flush=True)
+        keep_partial(result, args.out, f"seed {seed}: both measured", seed, "theirs", theirs)
+    result.pop("partial", None)
     return summarize(result, "tau_tree" if not args.no_engine else "tau_sim", args.out)
+
+
+def keep_partial(result: dict, out: str | None, where: str, seed: int, side: str, row: dict) -> None:
+    """A side's row as soon as it is measured: printed, and the result so far written to `out` with
+    `partial` saying how far it got, so that a run cut at a device call's limit keeps what it measured
+    (the final write replaces it; --merge refuses a partial file)."""
+    taus = " ".join(f"{k} {row[k]:.3f}" for k in ("tau_sim", "tau_tf", "tau_chain", "tau_tree", "ngram_tau") if k in row)
+    print(f"[peer] seed {seed}: {side} acc {' '.join(f'{a:.3f}' for a in row['heldout_acc'])} {taus}", flush=True)
+    result["partial"] = where
+    if out:
+        atomic_write_json(Path(out), result)
 
 
 def summarize(result: dict, key: str, out: str | None) -> int:
@@ -352,6 +362,9 @@ def merge(files: list[str], out: str | None) -> int:
     except DraftsmithError as e:
         raise SystemExit(f"bench_peer --merge: {e}") from None
     for f, r in zip(files, results):
+        if "partial" in r:
+            raise SystemExit(f"bench_peer --merge: {f}: a partial result ({r['partial']}: the run was cut); "
+                             "run that seed again to its end")
         if not all(k in r for k in ("ours", "theirs", "peer_tau_ratio_of")):
             raise SystemExit(f"bench_peer --merge: {f}: not a bench_peer result (no ours, theirs or peer_tau_ratio_of); "
                              "merge the --out files of bench_peer runs")

@@ -23,6 +23,7 @@ def run_bench(script: str, tmp_path: Path) -> dict:
 def test_bench_peer_smoke(tmp_path):
     r = run_bench("bench_peer.py", tmp_path)
     ours, theirs = r["ours"][0], r["theirs"][0]
+    assert "partial" not in r  # the run went to its end
     assert len(ours["heldout_acc"]) == len(theirs["heldout_acc"]) == 3
     assert all(0 <= a <= 1 for a in ours["heldout_acc"] + theirs["heldout_acc"])
     # speculators' defaults travel through its checkpoint into our drafter
@@ -127,3 +128,33 @@ def test_a_base_without_its_stages_is_one_line_and_links_nothing(tmp_path, scrip
         assert len(lines) == 1 and lines[0].startswith(script.removesuffix(".py") + ": ")
         assert str(base / "data" / "manifest.json") in lines[0] and "draftsmith prepare" in lines[0]
         assert not work.exists() or not any(work.rglob("*"))
+
+
+def test_a_run_cut_after_our_side_keeps_its_row(tmp_path, monkeypatch):
+    """A device call's limit can cut bench_peer between its sides: --out holds what was measured
+    (our row, `partial` saying how far it got) from the moment it is measured, and --merge refuses
+    that file in one line."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import bench_ablation
+    import bench_peer
+
+    real, calls = bench_ablation.measure, []
+
+    def cut_on_the_peer(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill at the call's limit, while the peer is measured
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench_ablation, "measure", cut_on_the_peer)
+    out = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_peer.main(["--smoke", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["partial"] == "seed 0: ours measured, the peer not yet" and not r["theirs"]
+    assert len(r["ours"]) == 1 and r["ours"][0]["seed"] == 0 and len(r["ours"][0]["heldout_acc"]) == 3
+    assert "peer_tau_ratio" not in r
+    with pytest.raises(SystemExit, match="cut.json: a partial result"):
+        bench_peer.main(["--merge", str(out), "--out", str(tmp_path / "m.json")])
