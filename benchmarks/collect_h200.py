@@ -162,6 +162,9 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
         if be.get("capture_fallbacks"):  # graphs that failed to capture: those calls were timed eagerly
             out["engine_8b_capture_fallbacks"] = be["capture_fallbacks"]
     bp = load("bench_peer.json", required=False)  # the peer at equal data (driver step `peer`, bench_peer.py)
+    if bp and "partial" in bp:
+        sys.exit(f"{used['bench_peer.json']}: a partial bench_peer result ({bp['partial']}: its call was cut); "
+                 "run that seed again to its end, or leave the file out")
     if bp:
         out["peer_tau_ratio"] = r3(bp["peer_tau_ratio"])
         out["peer"] = {"ratio_of": bp["peer_tau_ratio_of"], "eval_prompts": bp["eval_prompts"],

@@ -38,7 +38,8 @@ OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-"reference pipeline speculative"}
 export PYTHONUNBUFFERED=1 PYTHONPATH="src:${PYTHONPATH:-}"
 step() { local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name $(date -u +%FT%TZ): $*" >> "$OUT/$name.log"  # a step run again in one call adds to its log
+  timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1; local rc=$?
   echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "it/s\]" "$OUT/$name.log" | tail -n 4; }
 # The device has no network: the packages the GPU image lacks travel unpacked in .whl/site (carry
 # .whl; made by `pip download -d .whl --python-version 3.12 --only-binary=:all: --platform
@@ -111,7 +112,7 @@ for s in $STEPS; do case $s in
                --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" --ngram --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
                --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
                --ours-name "${PEER_OURS_NAME:-ours}" \
-               --out "$OUT/bench_peer.json" ;;
+               --out "$OUT/${PEER_OURS_NAME:-ours}-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json" ;;  # partial while cut: bench_peer.py
   trainsmoke) R="--run_dir /tmp/runs/h200-smoke --prepare.max_samples 1500 --regenerate.enabled false --train.max_steps ${SMOKE_STEPS:-40} \
                --train.eval_every 20 --train.heldout_samples 64"  # the recipe's training on original answers: compile, speed, held-out
              step trainsmoke "${SMOKE_LIMIT:-200}" bash -c "for s in prepare vocab train; do \

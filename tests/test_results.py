@@ -29,3 +29,15 @@ def test_history_is_apart():
     headline = json.loads((RESULTS / "h200.json").read_text())
     history = json.loads((RESULTS / "h200-history.json").read_text())
     assert not (set(headline) - {"_source"}) & (set(history) - {"_about"})
+
+
+def test_a_partial_peer_result_is_refused(tmp_path):
+    """A bench_peer file its call's limit cut (`partial`, only our side measured) gives no
+    peer_tau_ratio: collect stops in one line naming the file."""
+    import pytest
+
+    source = json.loads((RESULTS / "h200.json").read_text())["_source"]
+    cut = tmp_path / "ours-s0-bench_peer.json"
+    cut.write_text(json.dumps({"partial": "seed 0: ours measured, the peer not yet", "ours": [{"seed": 0}], "theirs": []}))
+    with pytest.raises(SystemExit, match=f"{cut}: a partial bench_peer result"):
+        collect_module().collect([ROOT / d for d in source["run_dirs"]] + [tmp_path])
