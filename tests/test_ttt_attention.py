@@ -198,6 +198,16 @@ def test_compiled_flex_compiles_once_for_a_fixed_shape():
     assert not counters["recompiles"], dict(counters["recompiles"])
 
 
+def tiny_drafter(draft_vocab: int, data_seed: int):
+    """A float64 drafter (H 32, vocab 50, aux input 96), the target's head rows of its draft vocab,
+    and a generator for the batch's data."""
+    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=50, draft_vocab_size=draft_vocab)
+    torch.manual_seed(0)
+    model = Eagle3Drafter(cfg).double()
+    return model, torch.randn(draft_vocab, 32, dtype=torch.float64), torch.Generator().manual_seed(data_seed)
+
+
 def test_drafter_ttt_loss_packed_equals_padded():
     """The TTT loss of samples packed into one row (positions restarting, document ids, labels
     not crossing a sample) equals that of the same samples padded one per row: loss, CE,
@@ -206,12 +216,7 @@ def test_drafter_ttt_loss_packed_equals_padded():
     from draftsmith.data.batch import collate
     from draftsmith.train.ttt import position_weights, ttt_loss
 
-    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=64, vocab_size=50, draft_vocab_size=20)
-    torch.manual_seed(0)
-    model = Eagle3Drafter(cfg).double()
-    head = torch.randn(20, 32, dtype=torch.float64)
-    g = torch.Generator().manual_seed(5)
+    model, head, g = tiny_drafter(20, data_seed=5)
     samples = []
     for n in (19, 3, 11, 26):
         mask = torch.rand(n, generator=g) < 0.7
@@ -312,12 +317,7 @@ def test_ttt_loss_align_topk_counts_only_aligned_rows():
     from draftsmith.train.ttt import position_weights, ttt_loss
 
     V = 3  # a small draft vocab: the random drafter hits about a third of the rows
-    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=64, vocab_size=50, draft_vocab_size=V)
-    torch.manual_seed(0)
-    model = Eagle3Drafter(cfg).double()
-    head = torch.randn(V, 32, dtype=torch.float64)
-    g = torch.Generator().manual_seed(3)
+    model, head, g = tiny_drafter(V, data_seed=3)
     L, steps = 40, 3
     ids = torch.randint(0, 50, (1, L), generator=g)
     aux, final = torch.randn(1, L, 96, generator=g, dtype=torch.float64), torch.randn(1, L, 32, generator=g, dtype=torch.float64)
@@ -351,12 +351,7 @@ def test_ttt_loss_target_temperature_is_the_target_logits_scaled():
     accuracy and chain counts, do not move."""
     from draftsmith.train.ttt import ttt_loss
 
-    cfg = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       intermediate_size=64, vocab_size=50, draft_vocab_size=7)
-    torch.manual_seed(0)
-    model = Eagle3Drafter(cfg).double()
-    head = torch.randn(7, 32, dtype=torch.float64)
-    g = torch.Generator().manual_seed(1)
+    model, head, g = tiny_drafter(7, data_seed=1)
     L, steps = 24, 3
     ids = torch.randint(0, 50, (1, L), generator=g)
     aux, final = torch.randn(1, L, 96, generator=g, dtype=torch.float64), torch.randn(1, L, 32, generator=g, dtype=torch.float64)

@@ -189,7 +189,10 @@ class TrainConfig:
     ttt_target_temperature: float = 1.0
     """The distribution the drafter learns at each TTT step: the target's softmax(logits / T) over
     the draft vocab. 1: the target's own distribution (soft CE, as EAGLE-3 and speculators train);
-    below 1 sharper, toward the token greedy verification accepts; 0: that token alone (hard labels)."""
+    below 1 sharper, toward the token greedy verification accepts; 0: that token alone (hard labels).
+    Stays 1: on the CPU lab (Muon 3e-3, 630 steps) 0.5 gave MT-Bench tree tau 1.970 over three seeds
+    against 1.972, and 0 gave 1.882 against 1.859 on one with lower held-out top-1 (BENCHMARKS.md,
+    thirteenth session); not measured on a GPU."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
