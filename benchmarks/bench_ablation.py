@@ -93,7 +93,12 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
                        batch_tokens: int = 4096) -> dict:
     """Teacher-forced acceptance per draft position 0..depth-1 on every sample of a capture
     folder: argmax of the drafter == argmax of the target (restricted to the draft vocab), the
-    training metric, here on conversations the drafter never saw. Returns {acc, weight, loss}."""
+    training metric, here on conversations the drafter never saw. Returns {acc, weight, loss}.
+    The samples are packed into rows of one shape, [1, max(batch_tokens, max_length)], as training
+    packs them (the same figures as one sample a row): on a GPU the TTT attention (flex, compiled
+    for static shapes) then compiles once, where rows of each bin's own length compiled again for
+    every new length (the likeliest cause of the first measurement's 309 s on a fresh H200 against
+    40-53 s once the compile cache was warm: BENCHMARKS.md, twelfth session)."""
     from draftsmith.artifacts import require_complete, verify_shards
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex, epoch_plan
@@ -108,10 +113,10 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     head = lm_head[draft_ids(drafter.d2t)].float().to(dev)
     drafter = drafter.float().eval().to(dev)
     correct, weight, chain = (torch.zeros(depth, dtype=torch.float64) for _ in range(3))
-    for ids in epoch_plan(index.lengths, batch_tokens, seed=0, epoch=0):
-        b = index.batch(ids)
-        out = ttt_loss(drafter, b.input_ids.to(dev), b.loss_mask.to(dev), b.aux_hidden.to(dev).float(),
-                       b.final_hidden.to(dev).float(), head, depth, 1.0)
+    row = max(batch_tokens, max_length)
+    for ids in epoch_plan(index.lengths, row, seed=0, epoch=0, layout="packed"):
+        tokens, mask, aux, fin, pos, docs = (t.to(dev) for t in index.batch(ids, packed_tokens=row).tensors())
+        out = ttt_loss(drafter, tokens, mask, aux.float(), fin.float(), head, depth, 1.0, position_ids=pos, doc_ids=docs)
         correct += out.correct.double().cpu()
         weight += out.weight.double().cpu()
         chain += out.chain.double().cpu()

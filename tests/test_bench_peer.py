@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,3 +159,42 @@ def test_a_run_cut_after_our_side_keeps_its_row(tmp_path, monkeypatch):
     assert "peer_tau_ratio" not in r
     with pytest.raises(SystemExit, match="cut.json: a partial result"):
         bench_peer.main(["--merge", str(out), "--out", str(tmp_path / "m.json")])
+
+
+def test_heldout_rows_have_one_shape_and_the_padded_figures(tmp_path, monkeypatch):
+    """bench_ablation.heldout_acceptance packs the held-out samples into rows of one shape (on a
+    GPU the compiled TTT attention then compiles once, not once per length) and gives the figures
+    of one sample a row: correct, chain and weight per position, summed by hand over samples."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_ablation
+
+    import draftsmith.train.ttt as ttt
+    from draftsmith import pipeline
+    from draftsmith.artifacts import require_complete, stage_dir, verify_shards
+    from draftsmith.draft.io import load_drafter
+    from draftsmith.target.model import read_target_embeddings
+    from draftsmith.train.data import CaptureIndex
+    from draftsmith.vocab import draft_ids
+
+    recipe_path, base, heldout = bench_ablation.make_smoke(tmp_path)
+    recipe = bench_ablation.recipe_for(recipe_path, Path(base), 0, [])
+    pipeline.run_stage("train", recipe)
+    drafter = load_drafter(Path(base) / "train" / "drafter")
+    shapes, real = [], ttt.ttt_loss
+    monkeypatch.setattr(ttt, "ttt_loss", lambda *a, **k: shapes.append(tuple(a[1].shape)) or real(*a, **k))
+    depth = 3
+    got = bench_ablation.heldout_acceptance(drafter, stage_dir(heldout, "capture"), recipe.target.path, depth, 64,
+                                            batch_tokens=128)
+    assert len(shapes) > 1 and set(shapes) == {(1, 128)}
+    cap = stage_dir(heldout, "capture")
+    m = require_complete(cap, "capture")
+    index = CaptureIndex(verify_shards(cap, m, check_hash=False), 64, int(m["hidden_size"]), len(m["aux_layer_ids"]))
+    head = read_target_embeddings(recipe.target.path)[1][draft_ids(drafter.d2t)].float()
+    sums = torch.zeros(3, depth, dtype=torch.float64)
+    for j in range(len(index)):  # one sample a row, no padding
+        b = index.batch([j])
+        out = real(drafter.float(), b.input_ids, b.loss_mask, b.aux_hidden.float(), b.final_hidden.float(), head, depth, 1.0)
+        sums += torch.stack([out.correct, out.chain, out.weight]).double()
+    assert got["samples"] == len(index) and got["weight"] == sums[2].tolist()
+    torch.testing.assert_close(torch.tensor(got["acc"], dtype=torch.float64), sums[0] / sums[2])
+    torch.testing.assert_close(torch.tensor(got["chain"], dtype=torch.float64), sums[1] / sums[2])
