@@ -98,7 +98,7 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     packs them (the same figures as one sample a row): on a GPU the TTT attention (flex, compiled
     for static shapes) then compiles once, where rows of each bin's own length compiled again for
     every new length (the likeliest cause of the first measurement's 309 s on a fresh H200 against
-    40-53 s once the compile cache was warm: BENCHMARKS.md, twelfth session)."""
+    40-53 s once the compile cache was warm: BENCHMARKS.md, twelfth and thirteenth sessions)."""
     from draftsmith.artifacts import require_complete, verify_shards
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex, epoch_plan

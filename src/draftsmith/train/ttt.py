@@ -54,7 +54,8 @@ def target_distribution(final_hidden: torch.Tensor, head_weight: torch.Tensor,
     top = logits.argmax(-1)
     if temperature == 0:
         return F.one_hot(top, logits.shape[-1]).float(), top
-    return (logits.float() / temperature).softmax(-1), top
+    logits = logits.float() if temperature == 1 else logits.float() / temperature  # no pass over [B, L, Vd] at 1
+    return logits.softmax(-1), top
 
 
 def position_weights(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
