@@ -197,10 +197,18 @@ def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[st
     methods = ev["metrics"]["methods"]
     out = {"tau_chain": methods["eagle3_chain"]["tau"], "tau_tree": methods["eagle3_tree"]["tau"],
            "speedup_chain": methods["eagle3_chain"]["speedup"], "speedup_tree": methods["eagle3_tree"]["speedup"],
-           "engine_accept_rate": ev["metrics"]["accept_rate_per_position"]}
+           "engine_accept_rate": ev["metrics"]["accept_rate_per_position"],
+           "per_turn": per_turn(stage_dir(run_dir, "evaluate") / "results.json", ("eagle3_chain", "eagle3_tree"))}
     if "ngram" in methods:
         out.update(ngram_tau=methods["ngram"]["tau"], ngram_speedup=methods["ngram"]["speedup"])
     return out
+
+
+def per_turn(results: Path, methods) -> dict:
+    """{method: [[turn key, tokens emitted, rounds], ...]} at batch 1 from an evaluate stage's
+    results.json: tau of any set of turns is sum(emitted) / sum(rounds), as evaluate's own."""
+    prompts = read_json(results)["prompts"]
+    return {m: [[p["key"], p["methods"][m]["emitted"], p["methods"][m]["rounds"]] for p in prompts] for m in methods}
 
 
 def run_variant(args, name: str, flags: list[str], seed: int, ngram: bool = False) -> dict:

@@ -344,11 +344,36 @@ def summarize(result: dict, key: str, out: str | None) -> int:
         result[f"{side}_mean"] = ablation.mean_row(result[side])
     result["peer_tau_ratio"] = result["ours_mean"][key] / result["theirs_mean"][key]
     result["peer_tau_ratio_of"] = key
+    ci = ratio_interval(result, key)
+    if ci:
+        result["peer_tau_ratio_ci95"], result["peer_tau_ratio_turns"] = ci
     print(f"[peer] seeds {','.join(str(r['seed']) for r in result['ours'])}: ours {key} {result['ours_mean'][key]:.3f}, "
-          f"theirs {result['theirs_mean'][key]:.3f}: peer_tau_ratio {result['peer_tau_ratio']:.3f}")
+          f"theirs {result['theirs_mean'][key]:.3f}: peer_tau_ratio {result['peer_tau_ratio']:.3f}"
+          + (f" (95% over turns: {ci[0][0]:.3f}-{ci[0][1]:.3f}, {ci[1]} turns)" if ci else ""))
     if out:
         atomic_write_json(Path(out), result)
     return 0 if math.isfinite(result["peer_tau_ratio"]) else 1
+
+
+def ratio_interval(result: dict, key: str, draws: int = 2000, seed: int = 0):
+    """((lo, hi), turns): a paired bootstrap 95% interval of peer_tau_ratio over the evaluation's
+    turns: the same resampled turns (with replacement) for every seed and both sides, each seed's
+    tau over them sum(emitted) / sum(rounds), the ratio of the sides' means over seeds. None when
+    a row lacks its turns (older results, tau_sim) or the sides measured other turns."""
+    method = {"tau_tree": "eagle3_tree", "tau_chain": "eagle3_chain"}.get(key)
+    rows = result["ours"] + result["theirs"]
+    if method is None or not all(method in r.get("per_turn", {}) for r in rows):
+        return None
+    keys = [t[0] for t in rows[0]["per_turn"][method]]
+    if any([t[0] for t in r["per_turn"][method]] != keys for r in rows):
+        return None
+    counts = torch.tensor([[t[1:] for t in r["per_turn"][method]] for r in rows], dtype=torch.float64)  # [rows, turns, 2]
+    pick = torch.randint(0, len(keys), (draws, len(keys)), generator=torch.Generator().manual_seed(seed))
+    sums = counts[:, pick].sum(2)  # [rows, draws, 2]: emitted and rounds over each draw's turns
+    tau = sums[..., 0] / sums[..., 1]
+    n = len(result["ours"])
+    ratio = (tau[:n].mean(0) / tau[n:].mean(0)).sort().values
+    return (float(ratio[int(0.025 * draws)]), float(ratio[int(0.975 * draws) - 1])), len(keys)
 
 
 SAME = ("recipe", "ours_flags", "depth", "sim_depth", "eval_prompts", "benchmark", "peer_tau_ratio_of")

@@ -168,6 +168,7 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
     if bp:
         out["peer_tau_ratio"] = r3(bp["peer_tau_ratio"])
         out["peer"] = {"ratio_of": bp["peer_tau_ratio_of"], "eval_prompts": bp["eval_prompts"],
+                       **({"ratio_ci95": [r3(x) for x in bp["peer_tau_ratio_ci95"]]} if "peer_tau_ratio_ci95" in bp else {}),
                        **{side: {k: (r3(v) if isinstance(v, float) else [r3(a) for a in v])
                                  for k, v in bp[f"{side}_mean"].items()} for side in ("ours", "theirs")},
                        "theirs_steps": [r["steps"] for r in bp["theirs"]], "ours_steps": [r["steps"] for r in bp["ours"]]}

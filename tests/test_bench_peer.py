@@ -72,7 +72,14 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
     monkeypatch.setattr(ab.pipeline, "run_stage", lambda stage, recipe, force=False: calls.append((stage, force)) or fresh)
     monkeypatch.setattr(ab, "recipe_for", lambda *a, **k: None)
     atomic_write_json(run / "eval" / "manifest.json", evaluation(code_fingerprint()))
-    assert ab.engine_taus(args, "r.yaml", run, 0, [])["speedup_tree"] == 1.3 and calls == []
+    turns = [("mtbench#0", (10, 5), (12, 4)), ("mtbench#0/turn2", (9, 3), (9, 3))]
+    atomic_write_json(run / "eval" / "results.json", {"prompts": [
+        {"key": k, "methods": {"eagle3_chain": {"emitted": c[0], "rounds": c[1]}, "eagle3_tree": {"emitted": t[0], "rounds": t[1]}}}
+        for k, c, t in turns]})
+    row = ab.engine_taus(args, "r.yaml", run, 0, [])
+    assert row["speedup_tree"] == 1.3 and calls == []
+    assert row["per_turn"] == {"eagle3_chain": [["mtbench#0", 10, 5], ["mtbench#0/turn2", 9, 3]],
+                               "eagle3_tree": [["mtbench#0", 12, 4], ["mtbench#0/turn2", 9, 3]]}
     atomic_write_json(run / "eval" / "manifest.json", evaluation("older-code"))
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
 
@@ -198,3 +205,46 @@ def test_heldout_rows_have_one_shape_and_the_padded_figures(tmp_path, monkeypatc
     assert got["samples"] == len(index) and got["weight"] == sums[2].tolist()
     torch.testing.assert_close(torch.tensor(got["acc"], dtype=torch.float64), sums[0] / sums[2])
     torch.testing.assert_close(torch.tensor(got["chain"], dtype=torch.float64), sums[1] / sums[2])
+
+
+def test_peer_ratio_interval_over_turns(tmp_path, monkeypatch):
+    """bench_peer's 95% interval of peer_tau_ratio: a paired bootstrap over the evaluation's turns
+    (the same turns drawn for every seed and side). It holds the ratio; a drafter that leads on every
+    turn by the same factor gives that factor at both ends; it is left out when a row lacks its turns
+    or the sides measured different turns; --merge computes it over the merged seeds."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_peer
+
+    def row(seed, taus, keys=None):
+        keys = keys or [f"q{i}" for i in range(len(taus))]
+        return {"seed": seed, "tau_tree": None, "per_turn": {"eagle3_tree": [[k, round(t * 10), 10] for k, t in zip(keys, taus)]}}
+
+    def result(ours, theirs):
+        r = {"ours": ours, "theirs": theirs}
+        for side in ("ours", "theirs"):
+            for x in r[side]:
+                x["tau_tree"] = sum(t[1] for t in x["per_turn"]["eagle3_tree"]) / sum(t[2] for t in x["per_turn"]["eagle3_tree"])
+        return r
+
+    g = torch.Generator().manual_seed(0)
+    theirs = [row(s, (2 + 2 * torch.rand(30, generator=g)).tolist()) for s in (0, 1)]
+    ours = [row(s, [t[1] / 10 * (1.2 if i % 2 else 0.9) for i, t in enumerate(r["per_turn"]["eagle3_tree"])]) for s, r in enumerate(theirs)]
+    r = result(ours, theirs)
+    point = (sum(x["tau_tree"] for x in ours) / 2) / (sum(x["tau_tree"] for x in theirs) / 2)
+    (lo, hi), n = bench_peer.ratio_interval(r, "tau_tree")
+    assert n == 30 and lo < point < hi and hi - lo > 0.05
+    same = result([row(s, [t[1] / 10 * 1.1 for t in x["per_turn"]["eagle3_tree"]]) for s, x in enumerate(theirs)], theirs)
+    (lo, hi), _ = bench_peer.ratio_interval(same, "tau_tree")
+    assert abs(lo - 1.1) < 0.01 and abs(hi - 1.1) < 0.01
+    assert bench_peer.ratio_interval(r, "tau_sim") is None
+    other = result([row(0, [3.0] * 30, keys=[f"p{i}" for i in range(30)])], theirs[:1])
+    assert bench_peer.ratio_interval(other, "tau_tree") is None
+    files = []
+    for s in (0, 1):
+        f = tmp_path / f"s{s}.json"
+        f.write_text(json.dumps({"recipe": "r", "ours_flags": [], "depth": 6, "sim_depth": 5, "eval_prompts": 15,
+                                 "benchmark": "mt", "peer_tau_ratio_of": "tau_tree", "ours": [ours[s]], "theirs": [theirs[s]]}))
+        files.append(str(f))
+    assert bench_peer.main(["--merge", *files, "--out", str(tmp_path / "m.json")]) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["peer_tau_ratio_ci95"] == list(bench_peer.ratio_interval(r, "tau_tree")[0]) and m["peer_tau_ratio_turns"] == 30
