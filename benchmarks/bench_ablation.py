@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from draftsmith import pipeline
-from draftsmith.artifacts import DraftsmithError, atomic_write_json, code_fingerprint, read_json, require_complete, stage_dir
+from draftsmith.artifacts import (DraftsmithError, atomic_write_json, code_fingerprint, read_json, require_complete, stage_dir,
+                                  verify_shards)
 from draftsmith.config import parse_recipe
 
 # name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is: since lr 3e-3
@@ -99,7 +100,6 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     for static shapes) then compiles once, where rows of each bin's own length compiled again for
     every new length (the likeliest cause of the first measurement's 309 s on a fresh H200 against
     40-53 s once the compile cache was warm: BENCHMARKS.md, twelfth and thirteenth sessions)."""
-    from draftsmith.artifacts import require_complete, verify_shards
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex, epoch_plan
     from draftsmith.train.ttt import ttt_loss
