@@ -105,11 +105,12 @@ for s in $STEPS; do case $s in
              # (PEER_SITE= empty: the installed packages, as on this repository's CPU machine)
              # PEER_OURS: flags for our side only (e.g. --train.batch_tokens 8192 with PEER_OURS_NAME=ours8k: its own folder)
              # PEER_SEEDS: e.g. 0,1,2 (warm: ~150 s a seed after the first; or one call a seed, then bench_peer.py --merge)
+             # PEER_PROMPTS: MT-Bench questions (16; 80 = all, 160 turns); PEER_NGRAM= (empty) leaves n-gram out
              SITE=${PEER_SITE-/tmp/peer-site}
              [ -z "$SITE" ] || [ -d "$SITE" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
              step peer "${PEER_LIMIT:-450}" env PYTHONPATH="${SITE:+$SITE:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
                --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
-               --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" --ngram --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
+               --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" ${PEER_NGRAM---ngram} --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
                --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
                --ours-name "${PEER_OURS_NAME:-ours}" \
                --out "$OUT/${PEER_OURS_NAME:-ours}-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json" ;;  # partial while cut: bench_peer.py
