@@ -32,6 +32,9 @@ state are checkpointed, and the learning rate is a function of the step.
 Where the hidden states come from is decided once (data_source): CaptureSource (capture/'s
 shards) or OnlineSource (the target's forward); both give the same sample index and a `load`.
 The optimizers and the module they train come from make_trainable, a resume from resume().
+run() reads top-down: setup() builds a Trainer (what is set up once; its methods are a step's
+parts: train_step, heldout_checkpoint), the loop takes the steps, finish() writes the drafter and
+the manifest.
 
 Online mode (train.online: true) reads the token shards of prepare (data/, or regen/ when
 regenerate is on) instead of capture/, loads the whole target once next to the drafter
@@ -69,7 +72,7 @@ from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_
                            rank_device)
 from ..draft.build import drafter_config, init_drafter
 from ..draft.io import save_drafter
-from ..draft.model import Eagle3Drafter
+from ..draft.model import Eagle3Config, Eagle3Drafter
 from ..draft.ttt_attention import resolve_impl
 from ..target.model import Target, load_target, read_target_embeddings, resolve_dtype
 from ..target.online import online_batch
@@ -439,8 +442,214 @@ TRAIN_NEEDS = ("train.ttt_steps", "train.batch_tokens", "train.max_length", "tra
 test) is refused at parse time only."""
 
 
-def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
-    run_dir = Path(recipe.run_dir if run_dir is None else run_dir)
+# -- one training run: set up once (setup), then its steps (run), then the drafter (finish) ---------
+
+@dataclass
+class Trainer:
+    """What a run sets up once: the samples and their split, the step plan, the trained module and
+    its optimizers. Its methods are the parts of a step; where the run is comes from a Progress."""
+    recipe: Recipe
+    fp: str
+    info: DistInfo
+    out_dir: Path
+    manifest: dict
+    latest: Path | None  # the checkpoint to resume from
+    source: CaptureSource
+    cfg: Eagle3Config
+    tr: Trainable
+    head_weight: torch.Tensor  # the target's lm_head rows of the draft vocab: the TTT targets' logits
+    compute_dtype: torch.dtype
+    autocast: object
+    micro_tokens: int
+    micro_per_step: int
+    conversations: list
+    train_ids: list[int]
+    heldout_ids: list[int]
+    train_lengths: list[int]
+    sample_weights: torch.Tensor  # [N, k] float64: each sample's loss weight per TTT position
+    total_steps: int
+    eval_every: int
+    flops_per_token: float
+    peak: float | None
+    overfit_named: bool = False  # the overfitting line is logged once, when first seen
+
+    @property
+    def tc(self):
+        return self.recipe.train
+
+    @property
+    def k(self) -> int:
+        return int(self.recipe.train.ttt_steps)
+
+    @property
+    def index(self):
+        return self.source.index
+
+    @property
+    def main(self) -> bool:
+        return self.info.is_main
+
+    def plan_of(self, epoch: int) -> list[list[int]]:
+        """Epoch `epoch`'s micro-batches (sample ids), a function of (seed, epoch) alone."""
+        return [[self.train_ids[j] for j in b]
+                for b in epoch_plan(self.train_lengths, self.micro_tokens, self.recipe.seed, epoch, self.tc.batch_layout)]
+
+    def schedule(self, epoch: int, position: int):
+        """(epoch, position after the step, the step's micro-batches) of each step from the cursor
+        on; a step takes micro_per_step micro-batches of one epoch's plan (fewer at its end)."""
+        plan = self.plan_of(epoch)
+        while True:
+            if position >= len(plan):
+                epoch, position = epoch + 1, 0
+                plan = self.plan_of(epoch)
+            micro_ids = plan[position:position + self.micro_per_step]
+            position += len(micro_ids)
+            yield epoch, position, micro_ids
+
+    def my_slots(self, micro_ids: list[list[int]]) -> list[list[int] | None]:
+        """This rank's micro-batches of a step (round-robin); a rank left short at an epoch's end
+        pads with None (a forward and backward at weight 0: FSDP needs every rank's collectives)."""
+        world = self.info.world_size
+        mine = micro_ids[self.info.rank::world]
+        return mine + [None] * (-(-len(micro_ids) // world) - len(mine))
+
+    def train_step(self, loader: Loader, micro_ids: list[list[int]], prog: Progress) -> dict:
+        """One optimizer step over the step's micro-batches (this rank's slots, read by `loader`);
+        returns its metrics record. A non-finite loss or gradient skips the update (too many in a
+        row stop the run)."""
+        tc, k, info, device, model = self.tc, self.k, self.info, self.info.device, self.tr.model
+        weight_total = self.sample_weights[[j for b in micro_ids for j in b]].sum(0)
+        weight_total = (weight_total.pin_memory() if device.type == "cuda" else weight_total).to(device, non_blocking=True)
+        step_tokens = sum(self.index.lengths[j] for b in micro_ids for j in b)
+        prog.step += 1
+        step = prog.step
+        factor = lr_at(step, self.total_steps, 1.0, tc.warmup_steps, tc.min_lr_ratio, tc.lr_schedule)
+        for opt in self.tr.opts:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * factor
+
+        slots = self.my_slots(micro_ids)
+        sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
+        for mi, ids in enumerate(slots):
+            ids_t, mask_t, aux_t, fin_t, pos_t, docs_t = loader.next().tensors()
+            if is_sharded(model):  # reduce-scatter gradients once, after the last micro-batch
+                model.set_requires_gradient_sync(mi == len(slots) - 1)
+            with self.autocast:
+                out = model(ids_t, mask_t, aux_t, fin_t, self.head_weight, weight_total, pos_t, docs_t)
+            if ids is None:  # a rank's padding slot at an epoch's end: weight 0
+                out = tuple(t * 0 for t in out)
+            loss, ce, correct, weight = out
+            # FSDP averages gradients over ranks; the micro losses are already fractions of the global one.
+            (loss * info.world_size).backward()
+            sums += torch.cat([loss.detach().reshape(1), ce, correct, weight]).double()
+        all_reduce_sum(sums, info)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.tr.params, tc.grad_clip if tc.grad_clip > 0 else float("inf")))
+        stats = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)]).tolist()  # the step's one read from the device
+        loss, grad_norm = stats[0], stats[-1]
+        ok = math.isfinite(loss) and math.isfinite(grad_norm)
+        for opt in self.tr.opts:
+            if ok:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        if ok:
+            prog.in_a_row = 0
+        else:
+            prog.skipped, prog.in_a_row = prog.skipped + 1, prog.in_a_row + 1
+            si, _, _ = self.index.entries[micro_ids[0][0]]
+            if self.main:
+                log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({prog.in_a_row} in a row)")
+            if prog.in_a_row >= MAX_NONFINITE_IN_A_ROW:
+                raise DraftsmithError(f"{self.index.paths[si]}: {prog.in_a_row} training steps in a row had a non-finite loss or gradient "
+                                      f"(last at step {step}); {self.source.nonfinite_fix} or lower train.lr")
+        ce, correct, weight = stats[1:1 + k], stats[1 + k:1 + 2 * k], stats[1 + 2 * k:1 + 3 * k]
+        prog.tokens_seen += step_tokens
+        return {"step": step, "loss": loss, "ce": ce, "correct": correct, "weight": weight,
+                "acc": [c / w if w else 0.0 for c, w in zip(correct, weight)], "lr": tc.lr * factor, "grad_norm": grad_norm,
+                "tokens": step_tokens, "epoch": prog.epoch, "skipped": not ok}
+
+    def evaluate_heldout(self, loader: Loader, step: int) -> dict:
+        """Loss, acc per position and simulated tau on the held-out samples, over all ranks.
+        Every rank runs the same number of forwards (FSDP collectives); spare ones count 0."""
+        k, info, model, device = self.k, self.info, self.tr.model, self.info.device
+        batches = [[self.heldout_ids[j] for j in b]
+                   for b in epoch_plan([self.index.lengths[j] for j in self.heldout_ids], self.micro_tokens, self.recipe.seed, 0,
+                                       self.tc.batch_layout)]
+        wt = self.sample_weights[self.heldout_ids].sum(0).to(device)
+        sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            for r in range(math.ceil(len(batches) / info.world_size)):
+                j = r * info.world_size + info.rank
+                ids, mask, aux, fin, pos, docs = loader.now(batches[j if j < len(batches) else 0]).tensors()
+                with self.autocast:
+                    out = model(ids, mask, aux, fin, self.head_weight, wt, pos, docs)
+                if j < len(batches):
+                    sums += torch.cat([out[0].detach().reshape(1), *out[1:]]).double()
+        if is_sharded(model):  # FSDP keeps the root's parameters gathered after a forward with no backward;
+            model.reshard()    # the optimizer (and a checkpoint's state dict) holds the sharded ones
+        all_reduce_sum(sums, info)
+        correct, weight = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
+        acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
+        return {"step": step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
+
+    def heldout_checkpoint(self, loader: Loader, prog: Progress, window: deque, evals: list[dict], writer) -> None:
+        """Evaluate on the held-out samples, record it (eval.jsonl, TensorBoard, the learning
+        curve), keep the drafter in best/ when it beats the best so far, and name overfitting."""
+        tw = _window_metrics(window, self.k)
+        ev = {**self.evaluate_heldout(loader, prog.step), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"],
+              "train_tau": tw["tau"]}
+        evals.append(ev)
+        better = prog.best_tau is None or ev["tau"] > prog.best_tau
+        if better:
+            prog.best_tau = ev["tau"]
+        best = full_drafter(self.tr.model, self.cfg, self.info) if better else None  # a collective: every rank
+        if not self.main:
+            return
+        step, out_dir = prog.step, self.out_dir
+        append_jsonl(out_dir / EVAL_FILE, ev)
+        writer.add_scalar("eval/loss", ev["loss"], step)
+        writer.add_scalar("eval/tau_simulated", ev["tau"], step)
+        for i, a in enumerate(ev["acc"]):
+            writer.add_scalar(f"eval/acc_{i}", a, step)
+        log(f"[train] eval step {step}: held-out loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
+            f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else f" (best {prog.best_tau:.2f})")
+            + f" | train tau {ev['train_tau']:.2f}")
+        if better:
+            _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
+                                                          "acc": ev["acc"], "tokens_seen": ev["tokens_seen"]})
+        over = overfitting(evals)
+        if over and not self.overfit_named:
+            self.overfit_named = True
+            log(f"[train] OVERFITTING: held-out simulated tau fell from {over['heldout_from']:.3f} (step {over['from_step']}) "
+                f"to {over['heldout_to']:.3f} (step {over['to_step']}) while train simulated tau rose from "
+                f"{over['train_from']:.3f} to {over['train_to']:.3f}; train/best keeps step {over['from_step']}'s drafter "
+                "(more conversations or fewer epochs would help)")
+        atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(out_dir / METRICS_FILE)))
+
+    def checkpoint_meta(self, prog: Progress) -> dict:
+        return {"fingerprint": self.fp, "epoch": prog.epoch, "position": prog.position, "total_steps": self.total_steps,
+                "skipped_nonfinite": prog.skipped, "nonfinite_in_a_row": prog.in_a_row, "best_tau": prog.best_tau,
+                "tokens_seen": prog.tokens_seen, "train_s": prog.train_s,
+                "drafter": asdict(self.cfg), "recipe": to_jsonable(self.recipe)}
+
+    def header(self, epoch: int) -> str:
+        """The run's first log line: what trains on what, in which steps, on what."""
+        tc, index, plan = self.tc, self.index, self.plan_of(epoch)
+        fill = sum(self.train_lengths) / max(1, len(plan) * self.micro_tokens)
+        held = self.heldout_ids
+        return (f"[train] drafter {sum(p.numel() for p in self.tr.params) / 1e6:.1f}M trainable params, draft vocab "
+                f"{self.cfg.draft_vocab_size}, {len(self.train_ids)} samples ({index.dropped} dropped, {len(held)} held out"
+                + (f" in {len({self.conversations[j] for j in held})} conversations, evaluated every {self.eval_every} steps" if held else "")
+                + f"), {sum(self.train_lengths)} tokens/epoch, "
+                f"{len(plan)} micro-batches/epoch x {self.micro_per_step} per step over {self.info.world_size} rank(s), "
+                f"{self.total_steps} steps, "
+                + (f"packed [1, {self.micro_tokens}] ({100 * fill:.1f}% real tokens), " if tc.batch_layout == "packed" else "padded, ")
+                + f"{self.info.device} {str(self.compute_dtype).replace('torch.', '')}, attention {tc.attention}"
+                + (", compiled loss" if self.tr.compiled else "") + self.source.describe())
+
+
+def setup(recipe: Recipe, run_dir: Path, fp: str) -> Trainer:
+    """Check the inputs, start (or take up) the manifest, open the data source, build the drafter
+    from the target's embedding and head, split off the held-out conversations, plan the steps."""
     tc = recipe.train
     check_recipe(recipe, str(run_dir / RECIPE_FILE), only=TRAIN_NEEDS)
     k = int(tc.ttt_steps)
@@ -465,7 +674,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # Every shard is hashed on rank 0, on a resume too: a byte flipped since the last run must not train.
     shard_paths = verify_shards(source.dir, source.manifest, check_hash=main)
 
-    # -- target tensors, vocab, data, drafter ----------------------------------------------
     device = info.device
     compute_dtype = resolve_dtype(tc.dtype, device)
     embed, lm_head, tcfg = read_target_embeddings(recipe.target.path, recipe.target.trust_remote_code)
@@ -477,79 +685,51 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
     packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
     max_length = min(tc.max_length, micro_tokens) if packed_tokens else tc.max_length
-    pin = device.type == "cuda"
-    aux_layer_ids = source.open(shard_paths, hidden, max_length, packed_tokens, pin, info, manifest)
+    aux_layer_ids = source.open(shard_paths, hidden, max_length, packed_tokens, device.type == "cuda", info, manifest)
     index = source.index
     if len(index) == 0:
         raise DraftsmithError(f"{source.dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
                               f"({index.dropped} dropped); check prepare's loss masks and max_length")
     cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
     drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed, vocab_path=vocab_dir / VOCAB_FILE).to(device)
-    head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)  # target lm_head rows of the draft vocab
-    if tc.head_init == "target":  # a resumed run overwrites it with its checkpoint below
+    head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)
+    if tc.head_init == "target":  # a resumed run overwrites it with its checkpoint
         with torch.no_grad():
             drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
     del embed, lm_head
     tr = make_trainable(drafter, tc, info, compute_dtype)
-    model, params, opts = tr.model, tr.params, tr.opts
     autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
 
     conversations = conversation_keys(index.source_id, index.sample_index)
     train_ids, heldout_ids = split_by_conversation(conversations, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
     train_lengths = [index.lengths[j] for j in train_ids]
-    sample_weights = torch.stack([position_weights(m, k) for m in index.loss_mask])  # [N, k] float64
-
-    def plan_of(epoch: int) -> list[list[int]]:
-        return [[train_ids[j] for j in b] for b in epoch_plan(train_lengths, micro_tokens, recipe.seed, epoch, tc.batch_layout)]
-
-    total_steps = total_steps_of(recipe, lambda e: len(plan_of(e)), micro_per_step)
-    eval_every = eval_interval(tc.eval_every, total_steps)
-
-    def schedule(epoch: int, position: int):
-        """(epoch, position after the step, the step's micro-batches) of each step from the cursor
-        on; a step takes micro_per_step micro-batches of one epoch's plan (fewer at its end)."""
-        plan = plan_of(epoch)
-        while True:
-            if position >= len(plan):
-                epoch, position = epoch + 1, 0
-                plan = plan_of(epoch)
-            micro_ids = plan[position:position + micro_per_step]
-            position += len(micro_ids)
-            yield epoch, position, micro_ids
-
-    def my_slots(micro_ids: list[list[int]]) -> list[list[int] | None]:
-        """This rank's micro-batches of a step (round-robin); a rank left short at an epoch's end
-        pads with None (a forward and backward at weight 0: FSDP needs every rank's collectives)."""
-        mine = micro_ids[info.rank::info.world_size]
-        return mine + [None] * (-(-len(micro_ids) // info.world_size) - len(mine))
-
-    # -- resume ----------------------------------------------------------------------------
-    prog, window_recs = resume(latest, tr, fp, out_dir, info)
-    metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
-    window: deque = deque(window_recs, maxlen=max(1, tc.log_every))
-    evals = [r for r in read_jsonl(eval_path)] if heldout_ids else []
-    barrier(info)
-    plan = plan_of(prog.epoch)
-    fill = sum(train_lengths) / max(1, len(plan) * micro_tokens) if packed_tokens else None
     mean_context = sum(n * (n + 1) / 2 for n in train_lengths) / max(1, sum(train_lengths))
-    flops_per_token = train_flops_per_token(cfg, k, mean_context)
-    peak = peak_flops(device, tc.peak_tflops)
-    if main:
-        log(f"[train] drafter {sum(p.numel() for p in params) / 1e6:.1f}M trainable params, draft vocab {cfg.draft_vocab_size}, "
-            f"{len(train_ids)} samples ({index.dropped} dropped, {len(heldout_ids)} held out"
-            + (f" in {len({conversations[j] for j in heldout_ids})} conversations, evaluated every {eval_every} steps" if heldout_ids else "")
-            + f"), {sum(train_lengths)} tokens/epoch, "
-            f"{len(plan)} micro-batches/epoch x {micro_per_step} per step over {info.world_size} rank(s), {total_steps} steps, "
-            + (f"packed [1, {micro_tokens}] ({100 * fill:.1f}% real tokens), " if packed_tokens else "padded, ")
-            + f"{device} {str(compute_dtype).replace('torch.', '')}, attention {tc.attention}" + (", compiled loss" if tr.compiled else "")
-            + source.describe())
+    t = Trainer(recipe, fp, info, out_dir, manifest, latest, source, cfg, tr,
+                head_weight, compute_dtype, autocast, micro_tokens, micro_per_step, conversations, train_ids, heldout_ids,
+                train_lengths, torch.stack([position_weights(m, k) for m in index.loss_mask]), total_steps=0, eval_every=0,
+                flops_per_token=train_flops_per_token(cfg, k, mean_context), peak=peak_flops(device, tc.peak_tflops))
+    t.total_steps = total_steps_of(recipe, lambda e: len(t.plan_of(e)), micro_per_step)
+    t.eval_every = eval_interval(tc.eval_every, t.total_steps)
+    return t
 
+
+def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
+    """The train stage (module docstring): set up, resume if a checkpoint is there, take the steps
+    (evaluating on the held-out samples and saving checkpoints as they fall due), finish."""
+    t = setup(recipe, Path(recipe.run_dir if run_dir is None else run_dir), fp)
+    tc, info, main, out_dir, device = t.tc, t.info, t.main, t.out_dir, t.info.device
+    prog, window_recs = resume(t.latest, t.tr, fp, out_dir, info)
+    metrics_path = out_dir / METRICS_FILE
+    window: deque = deque(window_recs, maxlen=max(1, tc.log_every))
+    evals = [r for r in read_jsonl(out_dir / EVAL_FILE)] if t.heldout_ids else []
+    barrier(info)
     writer = bar = None
     if main:
+        log(t.header(prog.epoch))
         from torch.utils.tensorboard import SummaryWriter  # why here: tensorboard is heavy, and only rank 0 writes
 
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=prog.step + 1 if prog.step else None)
-        bar = tqdm(total=total_steps, initial=prog.step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
+        bar = tqdm(total=t.total_steps, initial=prog.step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
                    disable=not sys.stderr.isatty())
     start_step, t_start = prog.step, time.time()
     train_s_before, budget_s = prog.train_s, 60.0 * tc.max_minutes
@@ -564,189 +744,101 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         return bool(flag.item())
     t_window, tokens_window, tokens_session = t_start, 0, 0
 
-    def checkpoint_meta() -> dict:
-        return {"fingerprint": fp, "epoch": prog.epoch, "position": prog.position, "total_steps": total_steps,
-                "skipped_nonfinite": prog.skipped, "nonfinite_in_a_row": prog.in_a_row, "best_tau": prog.best_tau,
-                "tokens_seen": prog.tokens_seen, "train_s": prog.train_s,
-                "drafter": asdict(cfg), "recipe": to_jsonable(recipe)}
-
-    def evaluate_heldout() -> dict:
-        """Loss, acc per position and simulated tau on the held-out samples, over all ranks.
-        Every rank runs the same number of forwards (FSDP collectives); spare ones count 0."""
-        batches = [[heldout_ids[j] for j in b]
-                   for b in epoch_plan([index.lengths[j] for j in heldout_ids], micro_tokens, recipe.seed, 0, tc.batch_layout)]
-        wt = sample_weights[heldout_ids].sum(0).to(device)
-        sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
-        with torch.no_grad():
-            for r in range(math.ceil(len(batches) / info.world_size)):
-                j = r * info.world_size + info.rank
-                batch = loader.now(batches[j if j < len(batches) else 0])
-                ids, mask, aux, fin, pos, docs = batch.tensors()
-                with autocast:
-                    out = model(ids, mask, aux, fin, head_weight, wt, pos, docs)
-                if j < len(batches):
-                    sums += torch.cat([out[0].detach().reshape(1), *out[1:]]).double()
-        if is_sharded(model):  # FSDP keeps the root's parameters gathered after a forward with no backward;
-            model.reshard()    # the optimizer (and a checkpoint's state dict) holds the sharded ones
-        all_reduce_sum(sums, info)
-        correct, weight = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
-        acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
-        return {"step": prog.step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
-
     # The loader reads (or, online, computes) the micro-batches of the next step on a background
     # thread while this one trains: `queued` holds the steps whose batches it has been given.
-    overfit_named = False
-    loader = Loader(source.load, device)
-    steps_ahead = schedule(prog.epoch, prog.position)
+    loader = Loader(t.source.load, device)
+    steps_ahead = t.schedule(prog.epoch, prog.position)
     queued: deque = deque()
     stopped = "budget" if budget_s and train_s_before >= budget_s else None  # a resumed run whose budget was spent
     try:
-        while prog.step < total_steps and stopped is None:
-            while len(queued) < 2 and prog.step + len(queued) < total_steps:
+        while prog.step < t.total_steps and stopped is None:
+            while len(queued) < 2 and prog.step + len(queued) < t.total_steps:
                 queued.append(next(steps_ahead))
-                for ids in my_slots(queued[-1][2]):
+                for ids in t.my_slots(queued[-1][2]):
                     loader.ahead(queued[-1][2][0] if ids is None else ids)
             prog.epoch, prog.position, micro_ids = queued.popleft()
-            slots = my_slots(micro_ids)
-            weight_total = sample_weights[[j for b in micro_ids for j in b]].sum(0)
-            weight_total = (weight_total.pin_memory() if pin else weight_total).to(device, non_blocking=True)
-            step_tokens = sum(index.lengths[j] for b in micro_ids for j in b)
-            prog.step += 1
+            rec = t.train_step(loader, micro_ids, prog)
             step = prog.step
-            factor = lr_at(step, total_steps, 1.0, tc.warmup_steps, tc.min_lr_ratio, tc.lr_schedule)
-            lr = tc.lr * factor
-            for opt in opts:
-                for group in opt.param_groups:
-                    group["lr"] = group["base_lr"] * factor
-
-            sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
-            for mi, ids in enumerate(slots):
-                ids_t, mask_t, aux_t, fin_t, pos_t, docs_t = loader.next().tensors()
-                if is_sharded(model):  # reduce-scatter gradients once, after the last micro-batch
-                    model.set_requires_gradient_sync(mi == len(slots) - 1)
-                with autocast:
-                    out = model(ids_t, mask_t, aux_t, fin_t, head_weight, weight_total, pos_t, docs_t)
-                if ids is None:  # a rank's padding slot at an epoch's end: weight 0
-                    out = tuple(t * 0 for t in out)
-                loss, ce, correct, weight = out
-                # FSDP averages gradients over ranks; the micro losses are already fractions of the global one.
-                (loss * info.world_size).backward()
-                sums += torch.cat([loss.detach().reshape(1), ce, correct, weight]).double()
-            all_reduce_sum(sums, info)
-            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")))
-            stats = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)]).tolist()  # the step's one read from the device
-            loss, grad_norm = stats[0], stats[-1]
-            ok = math.isfinite(loss) and math.isfinite(grad_norm)
-            for opt in opts:
-                if ok:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-            if ok:
-                prog.in_a_row = 0
-            else:
-                prog.skipped, prog.in_a_row = prog.skipped + 1, prog.in_a_row + 1
-                si, _, _ = index.entries[micro_ids[0][0]]
-                if main:
-                    log(f"[train] step {step}: non-finite loss/grad ({loss}, {grad_norm}); skipped ({prog.in_a_row} in a row)")
-                if prog.in_a_row >= MAX_NONFINITE_IN_A_ROW:
-                    raise DraftsmithError(f"{index.paths[si]}: {prog.in_a_row} training steps in a row had a non-finite loss or gradient "
-                                          f"(last at step {step}); {source.nonfinite_fix} or lower train.lr")
-
-            ce, correct, weight = stats[1:1 + k], stats[1 + k:1 + 2 * k], stats[1 + 2 * k:1 + 3 * k]
-            rec = {"step": step, "loss": loss, "ce": ce, "correct": correct, "weight": weight,
-                   "acc": [c / w if w else 0.0 for c, w in zip(correct, weight)], "lr": lr, "grad_norm": grad_norm,
-                   "tokens": step_tokens, "epoch": prog.epoch, "skipped": not ok}
             window.append(rec)
-            tokens_window += step_tokens
-            tokens_session += step_tokens
-            prog.tokens_seen += step_tokens
+            tokens_window += rec["tokens"]
+            tokens_session += rec["tokens"]
             if out_of_time():
                 stopped = "budget"
-            last = step == total_steps or stopped is not None  # evaluate and save at the last step
+            last = step == t.total_steps or stopped is not None  # evaluate and save at the last step
             if main:
                 append_jsonl(metrics_path, rec)
                 bar.update(1)
-                if ok:
-                    writer.add_scalar("train/loss", loss, step)
-                    writer.add_scalar("train/lr", lr, step)
-                    writer.add_scalar("train/grad_norm", grad_norm, step)
-                    for i, (a, c) in enumerate(zip(rec["acc"], ce)):
-                        writer.add_scalar(f"train/acc_{i}", a, step)
-                        writer.add_scalar(f"train/ce_{i}", c, step)
-                    writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
+                if not rec["skipped"]:
+                    _scalars(writer, rec)
 
             if main and (step % max(1, tc.log_every) == 0 or last):
                 now = time.time()
-                w = _window_metrics(window, k)
                 tokens_per_s = tokens_window / max(now - t_window, 1e-9)
-                eta = (now - t_start) / (step - start_step) * (total_steps - step)
-                mfu = tokens_per_s * flops_per_token / (peak * info.world_size) if peak else None
-                mem = _peak_memory_gib(device)
-                acc_txt = " ".join(f"{a:.2f}" for a in w["acc"])
-                log(f"[train] step {step}/{total_steps} | loss {w['loss']:.4f} | acc {acc_txt} | tau {w['tau']:.2f} | "
-                    f"lr {lr:.2e} | gnorm {w['grad_norm']:.2f} | {tokens_per_s:,.0f} tok/s"
-                    + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | mem {mem:.1f} GiB | eta {_fmt_s(eta)}"
-                    + (f" | skipped {prog.skipped}" if prog.skipped else ""))
-                writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
-                writer.add_scalar("train/peak_memory_gib", mem, step)
-                if mfu is not None:
-                    writer.add_scalar("train/mfu", mfu, step)
-                writer.flush()
+                eta = (now - t_start) / (step - start_step) * (t.total_steps - step)
+                _log_window(writer, window, t, prog, tokens_per_s, eta)
                 t_window, tokens_window = now, 0
 
-            if heldout_ids and ((eval_every > 0 and step % eval_every == 0) or last):
-                tw = _window_metrics(window, k)
-                ev = {**evaluate_heldout(), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"], "train_tau": tw["tau"]}
-                evals.append(ev)
-                better = prog.best_tau is None or ev["tau"] > prog.best_tau
-                if better:
-                    prog.best_tau = ev["tau"]
-                best = full_drafter(model, cfg, info) if better else None
-                if main:
-                    append_jsonl(eval_path, ev)
-                    writer.add_scalar("eval/loss", ev["loss"], step)
-                    writer.add_scalar("eval/tau_simulated", ev["tau"], step)
-                    for i, a in enumerate(ev["acc"]):
-                        writer.add_scalar(f"eval/acc_{i}", a, step)
-                    log(f"[train] eval step {step}: held-out loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
-                        f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else f" (best {prog.best_tau:.2f})")
-                        + f" | train tau {ev['train_tau']:.2f}")
-                    if better:
-                        _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
-                                                                      "acc": ev["acc"], "tokens_seen": ev["tokens_seen"]})
-                    over = overfitting(evals)
-                    if over and not overfit_named:  # one line, when it is first seen
-                        overfit_named = True
-                        log(f"[train] OVERFITTING: held-out simulated tau fell from {over['heldout_from']:.3f} (step {over['from_step']}) "
-                            f"to {over['heldout_to']:.3f} (step {over['to_step']}) while train simulated tau rose from "
-                            f"{over['train_from']:.3f} to {over['train_to']:.3f}; train/best keeps step {over['from_step']}'s drafter "
-                            "(more conversations or fewer epochs would help)")
-                    atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(metrics_path)))
+            if t.heldout_ids and ((t.eval_every > 0 and step % t.eval_every == 0) or last):
+                t.heldout_checkpoint(loader, prog, window, evals, writer)
 
             if step % max(1, tc.save_every) == 0 or last:
-                folder = save_checkpoint(out_dir, step, model, opts, tr.names, checkpoint_meta(), info)
-                manifest["checkpoint"] = folder.name
+                folder = save_checkpoint(out_dir, step, t.tr.model, t.tr.opts, t.tr.names, t.checkpoint_meta(prog), info)
+                t.manifest["checkpoint"] = folder.name
                 if main:
-                    write_manifest(out_dir, manifest)
+                    write_manifest(out_dir, t.manifest)
     finally:
         loader.close()
         if main:
             writer.close()
             bar.close()
-
-    # -- final drafter and manifest -------------------------------------------------------
-    step = prog.step
-    stopped = stopped or "steps"
-    if stopped == "budget" and main:
-        log(f"[train] budget of {tc.max_minutes:g} min spent after {prog.train_s / 60:.1f} min: stopped at step {step} of "
-            f"{total_steps}, checkpoint saved")
-    final = full_drafter(model, cfg, info)
     wall = time.time() - t_start
+    tokens_per_s = tokens_session / wall if wall > 0 and prog.step > start_step else None
+    return finish(t, prog, stopped or "steps", window, evals, wall, round(train_s_before + wall, 3), tokens_per_s)
+
+
+def _scalars(writer, rec: dict) -> None:
+    """A step's figures in TensorBoard."""
+    step = rec["step"]
+    writer.add_scalar("train/loss", rec["loss"], step)
+    writer.add_scalar("train/lr", rec["lr"], step)
+    writer.add_scalar("train/grad_norm", rec["grad_norm"], step)
+    for i, (a, c) in enumerate(zip(rec["acc"], rec["ce"])):
+        writer.add_scalar(f"train/acc_{i}", a, step)
+        writer.add_scalar(f"train/ce_{i}", c, step)
+    writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
+
+
+def _log_window(writer, window: deque, t: Trainer, prog: Progress, tokens_per_s: float, eta: float) -> None:
+    """The log line every log_every steps: the window's figures, throughput, MFU, memory."""
+    w, step = _window_metrics(window, t.k), prog.step
+    mfu = tokens_per_s * t.flops_per_token / (t.peak * t.info.world_size) if t.peak else None
+    mem = _peak_memory_gib(t.info.device)
+    log(f"[train] step {step}/{t.total_steps} | loss {w['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in w['acc'])} | "
+        f"tau {w['tau']:.2f} | lr {window[-1]['lr']:.2e} | gnorm {w['grad_norm']:.2f} | {tokens_per_s:,.0f} tok/s"
+        + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | mem {mem:.1f} GiB | eta {_fmt_s(eta)}"
+        + (f" | skipped {prog.skipped}" if prog.skipped else ""))
+    writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
+    writer.add_scalar("train/peak_memory_gib", mem, step)
+    if mfu is not None:
+        writer.add_scalar("train/mfu", mfu, step)
+    writer.flush()
+
+
+def finish(t: Trainer, prog: Progress, stopped: str, window: deque, evals: list[dict], wall: float, train_s: float,
+           tokens_per_s: float | None) -> dict:
+    """The run's drafter (the best by held-out figure when there are held-out samples, else the
+    last) in train/drafter, the held-out engine tau beside it, and the complete manifest."""
+    tc, info, out_dir, manifest, step = t.tc, t.info, t.out_dir, t.manifest, prog.step
+    device = info.device
+    if stopped == "budget" and info.is_main:
+        log(f"[train] budget of {tc.max_minutes:g} min spent after {prog.train_s / 60:.1f} min: stopped at step {step} of "
+            f"{t.total_steps}, checkpoint saved")
+    final = full_drafter(t.tr.model, t.cfg, info)
     barrier(info)
-    if not main:
+    if not info.is_main:
         return manifest
     final.eval()
-    best_rec = read_json_safe(out_dir / "best" / "best.json") if heldout_ids else {}
+    best_rec = read_json_safe(out_dir / "best" / "best.json") if t.heldout_ids else {}
     if best_rec:  # the drafter downstream stages use is the best by held-out figure; the last one stays beside it
         last_sha = _save_drafter_atomic(final, out_dir / "last")
         sha = _copy_drafter_atomic(out_dir / "best", out_dir / "drafter")
@@ -755,33 +847,33 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         sha = _save_drafter_atomic(final, out_dir / "drafter")
         manifest.pop("last", None)
         shutil.rmtree(out_dir / "last", ignore_errors=True)
-    w = _window_metrics(window, k)
-    manifest["output_fingerprint"] = fingerprint(fp, sha)  # downstream reruns when a continued run changed the drafter
-    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(cfg),
+    w = _window_metrics(window, t.k)
+    manifest["output_fingerprint"] = fingerprint(t.fp, sha)  # downstream reruns when a continued run changed the drafter
+    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(t.cfg),
                            "from": f"best held-out simulated tau (step {best_rec['step']})" if best_rec else f"last step ({step})"}
-    manifest["device"], manifest["compute_dtype"] = device.type, str(compute_dtype).replace("torch.", "")
+    manifest["device"], manifest["compute_dtype"] = device.type, str(t.compute_dtype).replace("torch.", "")
     manifest["world_size"] = info.world_size
     manifest["stopped"] = stopped  # steps: the planned step count (max_steps / max_tokens / epochs); budget: max_minutes
-    manifest["budget"] = {"max_tokens": tc.max_tokens, "max_minutes": tc.max_minutes, "total_steps": total_steps,
-                          "train_s": round(train_s_before + time.time() - t_start, 3)}
-    manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(train_ids), "samples_heldout": len(heldout_ids),
-                          "samples_dropped": index.dropped, "tokens_per_epoch": sum(train_lengths),
-                          "batches_per_epoch": len(plan_of(prog.epoch)), "micro_batches_per_step": micro_per_step,
-                          "epochs_started": prog.epoch + 1, "batch_layout": tc.batch_layout, "micro_batch_tokens": micro_tokens}
-    tokens_per_s = tokens_session / wall if wall > 0 and step > start_step else None
+    manifest["budget"] = {"max_tokens": tc.max_tokens, "max_minutes": tc.max_minutes, "total_steps": t.total_steps,
+                          "train_s": train_s}
+    manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(t.train_ids),
+                          "samples_heldout": len(t.heldout_ids), "samples_dropped": t.index.dropped,
+                          "tokens_per_epoch": sum(t.train_lengths), "batches_per_epoch": len(t.plan_of(prog.epoch)),
+                          "micro_batches_per_step": t.micro_per_step, "epochs_started": prog.epoch + 1,
+                          "batch_layout": tc.batch_layout, "micro_batch_tokens": t.micro_tokens}
     manifest["metrics"] = {"loss": w["loss"], "acc_per_position": w["acc"], "tau_simulated": w["tau"],
                            "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),
-                           "mfu": tokens_per_s * flops_per_token / (peak * info.world_size) if peak and tokens_per_s else None,
-                           "peak_memory_gib": round(_peak_memory_gib(device), 3), "train_flops_per_token": flops_per_token}
+                           "mfu": tokens_per_s * t.flops_per_token / (t.peak * info.world_size) if t.peak and tokens_per_s else None,
+                           "peak_memory_gib": round(_peak_memory_gib(device), 3), "train_flops_per_token": t.flops_per_token}
     if best_rec:
+        held = t.heldout_ids
         manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
-        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(heldout_ids),
-                                                        len({conversations[j] for j in heldout_ids}))
+        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(held), len({t.conversations[j] for j in held}))
         manifest["best"] = {"dir": "best", **best_rec}
         if tc.heldout_engine_prompts > 0:
             t0 = time.time()
-            prompts = engine_prompts(conversations, index.input_ids, index.loss_mask, heldout_ids)
-            eng = engine_record(recipe, out_dir / "drafter", prompts, source.target if source.online else None)
+            prompts = engine_prompts(t.conversations, t.index.input_ids, t.index.loss_mask, held)
+            eng = engine_record(t.recipe, out_dir / "drafter", prompts, t.source.target if t.source.online else None)
             manifest["metrics"]["heldout"]["engine"] = eng
             manifest["timings"]["heldout_engine_s"] = round(time.time() - t0, 3)
             log(f"[train] held-out tau measured by the engine {eng['tau_chain']:.3f} on {eng['prompts']} held-out prompts "
