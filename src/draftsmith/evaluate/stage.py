@@ -103,6 +103,35 @@ def prompt_budget(target, cfg, methods: list[str]) -> Optional[int]:
     return budget
 
 
+def manifest_figures(summary: dict, cfg, methods: list[str], too_long: int, batches: int, path: str,
+                     fallbacks: int) -> tuple[dict, dict]:
+    """The manifest's counts and metrics (what `status` and `plan` read) from the summary."""
+    # The headline figures: EAGLE-3 chain (the planner's per-position profile is a chain's).
+    main = next((m for m in ("eagle3_chain", "eagle3_tree", "ngram") if m in methods), None)
+    o = summary["methods"][main]["overall"] if main else {}
+    counts = {"prompts": summary["plain"]["prompts"], "prompts_too_long": too_long,
+              "plain_new_tokens": summary["plain"]["new_tokens"], "batches": batches,
+              "near_tie_divergences": sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
+                                          for s in summary["methods"].values())}
+    metrics = {
+        "method": main, "tau": o.get("tau"),
+        "tau_per_benchmark": {b: s["tau"] for b, s in summary["methods"][main]["per_benchmark"].items()} if main else {},
+        "accept_rate_per_position": summary["methods"][main]["per_position"]["accept_rate"] if main else [],
+        "accept_rate_per_position_unconditional":
+            summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
+        "accept_rate_per_position_by_method": {m: s["per_position"]["accept_rate"] for m, s in summary["methods"].items()
+                                               if "per_position" in s},
+        "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
+        "speedup": o.get("speedup"), "num_prompts": counts["prompts"], "draft_steps": cfg.draft_steps,
+        "path": path, "capture_fallbacks": fallbacks,
+        "plain_decode_bw_fraction": (summary["roofline"] or {}).get("fraction_of_measured_bw"),
+        "plain_decode_bw_fraction_nominal": (summary["roofline"] or {}).get("fraction_of_nominal_bw"),
+        "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
+                        "tokens_per_s": s["overall"]["tokens_per_s_spec"]} for m, s in summary["methods"].items()},
+        "batches": {B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()}}
+    return counts, metrics
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.evaluate
     run_dir = Path(run_dir)
@@ -215,30 +244,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     atomic_write_bytes(out_dir / "acceptance.png", plot_acceptance(summary))
     print_table(table_rows(summary))
 
-    # The headline figures: EAGLE-3 chain (the planner's per-position profile is a chain's).
-    main = next((m for m in ("eagle3_chain", "eagle3_tree", "ngram") if m in methods), None)
-    o = summary["methods"][main]["overall"] if main else {}
-    manifest["counts"] = {"prompts": len(records), "prompts_too_long": len(too_long),
-                          "plain_new_tokens": summary["plain"]["new_tokens"],
-                          "batches": len(batch_records),
-                          "near_tie_divergences": sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
-                                                      for s in summary["methods"].values())}
-    manifest["metrics"] = {
-        "method": main, "tau": o.get("tau"),
-        "tau_per_benchmark": {b: s["tau"] for b, s in summary["methods"][main]["per_benchmark"].items()} if main else {},
-        "accept_rate_per_position": summary["methods"][main]["per_position"]["accept_rate"] if main else [],
-        "accept_rate_per_position_unconditional":
-            summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
-        "accept_rate_per_position_by_method": {m: s["per_position"]["accept_rate"] for m, s in summary["methods"].items()
-                                               if "per_position" in s},
-        "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
-        "speedup": o.get("speedup"), "num_prompts": len(records), "draft_steps": cfg.draft_steps,
-        "path": runners.mode, "capture_fallbacks": len(fallbacks),
-        "plain_decode_bw_fraction": (summary["roofline"] or {}).get("fraction_of_measured_bw"),
-        "plain_decode_bw_fraction_nominal": (summary["roofline"] or {}).get("fraction_of_nominal_bw"),
-        "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
-                        "tokens_per_s": s["overall"]["tokens_per_s_spec"]} for m, s in summary["methods"].items()},
-        "batches": {B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()}}
+    manifest["counts"], manifest["metrics"] = manifest_figures(summary, cfg, methods, len(too_long), len(batch_records),
+                                                               runners.mode, len(fallbacks))
     if step_costs:
         manifest["step_costs"] = step_costs
     manifest["timings"] = {"plain_s": summary["plain"]["plain_s"],
