@@ -514,9 +514,9 @@ class Trainer:
         return mine + [None] * (-(-len(micro_ids) // world) - len(mine))
 
     def train_step(self, loader: Loader, micro_ids: list[list[int]], prog: Progress) -> dict:
-        """One optimizer step over the step's micro-batches (this rank's slots, read by `loader`);
-        returns its metrics record. A non-finite loss or gradient skips the update (too many in a
-        row stop the run)."""
+        """One optimizer step over the step's micro-batches (this rank's slots, read by `loader`):
+        advances `prog` (step, tokens seen, non-finite counts) and returns the step's metrics record.
+        A non-finite loss or gradient skips the update (too many in a row stop the run)."""
         tc, k, info, device, model = self.tc, self.k, self.info, self.info.device, self.tr.model
         weight_total = self.sample_weights[[j for b in micro_ids for j in b]].sum(0)
         weight_total = (weight_total.pin_memory() if device.type == "cuda" else weight_total).to(device, non_blocking=True)
