@@ -731,7 +731,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=prog.step + 1 if prog.step else None)
         bar = tqdm(total=t.total_steps, initial=prog.step, desc="train", unit="step", file=sys.stderr, mininterval=2.0,
                    disable=not sys.stderr.isatty())
-    start_step, t_start = prog.step, time.time()
+    start_step, start_tokens, t_start = prog.step, prog.tokens_seen, time.time()
     train_s_before, budget_s = prog.train_s, 60.0 * tc.max_minutes
 
     def out_of_time() -> bool:
@@ -742,7 +742,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         flag = torch.tensor([float(prog.train_s >= budget_s)], dtype=torch.float64, device=device)
         all_reduce_sum(flag if main else flag.zero_(), info)
         return bool(flag.item())
-    t_window, tokens_window, tokens_session = t_start, 0, 0
+    t_window, tokens_window = t_start, 0
 
     # The loader reads (or, online, computes) the micro-batches of the next step on a background
     # thread while this one trains: `queued` holds the steps whose batches it has been given.
@@ -761,7 +761,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             step = prog.step
             window.append(rec)
             tokens_window += rec["tokens"]
-            tokens_session += rec["tokens"]
             if out_of_time():
                 stopped = "budget"
             last = step == t.total_steps or stopped is not None  # evaluate and save at the last step
@@ -792,7 +791,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             writer.close()
             bar.close()
     wall = time.time() - t_start
-    tokens_per_s = tokens_session / wall if wall > 0 and prog.step > start_step else None
+    tokens_per_s = (prog.tokens_seen - start_tokens) / wall if wall > 0 and prog.step > start_step else None
     return finish(t, prog, stopped or "steps", window, evals, wall, round(train_s_before + wall, 3), tokens_per_s)
 
 
