@@ -14,14 +14,15 @@ killed evaluation resumes after the last finished prompt.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
                          stage_dir, write_manifest)
-from ..config import Recipe, check_recipe
-from ..data.readers import load_prompts
+from ..config import EvaluateConfig, Recipe, check_recipe
+from ..data.readers import Prompt, load_prompts
 from ..draft.io import load_drafter, read_drafter_config
 from ..speculate.cache import CAPTURE_FALLBACKS
 from ..target.model import eos_token_ids, load_target
@@ -78,6 +79,20 @@ def answer_text(tokenizer, new_tokens: list[int], eos_ids: list[int]) -> str:
     return tokenizer.decode([t for t in new_tokens if t not in eos_ids], skip_special_tokens=True).strip()
 
 
+def turn_key(key: str, turn: int) -> str:
+    """A turn's key in partial.jsonl and results.json: the prompt's key, then /turnN from turn 2 on (turn 0-based)."""
+    return key if turn == 0 else f"{key}/turn{turn + 1}"
+
+
+def turn_prompt(tokenizer, prompt: Prompt, turn: int, answers: list[list[int]], eos_ids: list[int], where: str) -> list[int]:
+    """Turn `turn` (0-based) of a prompt as the target reads it: each earlier user turn followed by the
+    target's own plain answer to it (answers[i]: its new tokens), then this turn's user text."""
+    history: list[dict] = []
+    for text, answer in zip(prompt.turns[:turn], answers):
+        history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer_text(tokenizer, answer, eos_ids)}]
+    return render_prompt(tokenizer, history + [{"role": "user", "content": prompt.turns[turn]}], where)
+
+
 # ----------------------------------------------------------------------------- stage
 
 
@@ -132,6 +147,83 @@ def manifest_figures(summary: dict, cfg, methods: list[str], too_long: int, batc
     return counts, metrics
 
 
+@dataclass
+class Evaluation:
+    """What evaluate decodes with, set up once (target, drafter, methods, decoding path), and the
+    measurements partial.jsonl already holds (`done`, by key): each is made once and appended there."""
+    target: Any
+    drafter: Any
+    cfg: EvaluateConfig
+    methods: list[str]
+    eos: list[int]
+    runners: DecodeRunners
+    partial: Path
+    done: dict
+    warmed: set = field(default_factory=set)
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """First calls at a batch size pay for allocation, kernel selection and graph capture."""
+        if len(prompts) in self.warmed:
+            return
+        n = min(8, self.cfg.max_new_tokens)
+        run_plain(self.target, prompts, self.cfg, self.eos, runners=self.runners, max_new_tokens=n)
+        for m in self.methods:
+            run_method(self.target, self.drafter, m, prompts, self.cfg, self.eos, seeded_generator(self.target, self.cfg, -1),
+                       n, runners=self.runners)
+        self.warmed.add(len(prompts))
+
+    def turns(self, todo: list[tuple[str, str, Prompt]], budget: Optional[int]):
+        """Every turn at batch 1 -> (records, rendered, too_long). rendered: (prompt ids, plain output)
+        of each measured turn, for the batches; too_long: turns whose prompt does not fit the target's
+        positions with max_new_tokens (refused, counted and reported; the prompt's later turns only grow)."""
+        cfg, tokenizer = self.cfg, self.target.tokenizer
+        records, rendered, too_long = [], [], []
+        for n, (key, bench, p) in enumerate(todo, 1):
+            answers: list[list[int]] = []
+            for turn in range(min(len(p.turns), max(cfg.max_turns, 1))):
+                where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
+                ids = turn_prompt(tokenizer, p, turn, answers, self.eos, where)
+                tkey = turn_key(key, turn)
+                if budget is not None and len(ids) > budget:
+                    too_long.append({"key": tkey, "benchmark": bench, "id": p.id, "prompt_tokens": len(ids), "limit": budget})
+                    log(f"[evaluate] {where}: {len(ids):,} prompt tokens, over the {budget:,} that fit the target's positions "
+                        f"with max_new_tokens {cfg.max_new_tokens}; skipped (counted as prompts_too_long)")
+                    break
+                rec = self.done.get(tkey)
+                if rec is None:
+                    self.warm_up([ids])
+                    rec = {"key": tkey, "benchmark": bench, "id": p.id, "category": p.category, "turn": turn + 1,
+                           **evaluate_prompt(self.target, self.drafter, ids, cfg, self.methods, self.eos, len(records), where,
+                                             runners=self.runners)}
+                    append_jsonl(self.partial, rec)
+                    log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
+                        f"{m} tau {fmt(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
+                        f"{fmt(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
+                records.append(rec)
+                rendered.append((ids, rec["plain_tokens"]))
+                answers.append(rec["plain_tokens"])
+        return records, rendered, too_long
+
+    def batches(self, rendered: list[tuple[list[int], list[int]]]) -> list[dict]:
+        """Each batch size > 1 over consecutive turns (full batches only), every method against plain
+        decoding of the same batch; the batch-1 plain outputs are the lossless reference."""
+        out = []
+        for B in sorted({b for b in self.cfg.batch_sizes if b > 1}):
+            for j in range(0, len(rendered) - B + 1, B):
+                bkey = f"batch{B}#{j // B}"
+                rec = self.done.get(bkey)
+                if rec is None:
+                    chunk = rendered[j:j + B]
+                    self.warm_up([c[0] for c in chunk])
+                    rec = {"key": bkey, **evaluate_batch(self.target, self.drafter, [c[0] for c in chunk], [c[1] for c in chunk],
+                                                         self.cfg, self.methods, self.eos, j, runners=self.runners)}
+                    append_jsonl(self.partial, rec)
+                    log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
+                        f"{m} speedup {fmt(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
+                out.append(rec)
+        return out
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.evaluate
     run_dir = Path(run_dir)
@@ -154,11 +246,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     n_fallbacks = len(CAPTURE_FALLBACKS)  # this stage's CUDA-graph captures that fall back to eager, at the end
     rounds = "; EAGLE-3 rounds on the device" if cfg.resident and runners.mode != "off" else ""
     log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
-    eos = eos_token_ids(target)
-    todo = []  # (key, bench, prompt, turn index)
-    for bench in cfg.benchmarks:
-        for i, p in enumerate(load_prompts(bench, cfg.max_prompts)):
-            todo.append((f"{bench}#{i}", bench, p))
+    todo = [(f"{bench}#{i}", bench, p) for bench in cfg.benchmarks for i, p in enumerate(load_prompts(bench, cfg.max_prompts))]
 
     manifest = new_manifest("evaluate", fp, cfg, {"train": train["fingerprint"],
                                                   "drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
@@ -168,63 +256,14 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if done:
         log(f"[evaluate] resuming: {len(done)} measurements already done")
 
-    warmed: set[int] = set()
-
-    def warm_up(prompts: list[list[int]]) -> None:
-        """First calls at a batch size pay for allocation, kernel selection and graph capture."""
-        if len(prompts) in warmed:
-            return
-        n = min(8, cfg.max_new_tokens)
-        run_plain(target, prompts, cfg, eos, runners=runners, max_new_tokens=n)
-        for m in methods:
-            run_method(target, drafter, m, prompts, cfg, eos, seeded_generator(target, cfg, -1), n, runners=runners)
-        warmed.add(len(prompts))
+    ev = Evaluation(target, drafter, cfg, methods, eos_token_ids(target), runners, partial, done)
     budget = prompt_budget(target, cfg, methods)
-    too_long: list[dict] = []  # turns whose prompt does not fit the target's positions with max_new_tokens
-    records, rendered = [], []  # rendered: (prompt ids, batch-1 plain output) of every turn, for batches
-    for n, (key, bench, p) in enumerate(todo, 1):
-        history: list[dict] = []
-        for turn, text in enumerate(p.turns[:max(cfg.max_turns, 1)]):
-            where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
-            history.append({"role": "user", "content": text})
-            ids = render_prompt(target.tokenizer, list(history), where)
-            tkey = key if turn == 0 else f"{key}/turn{turn + 1}"
-            if budget is not None and len(ids) > budget:  # refused, counted and reported; later turns only grow
-                too_long.append({"key": tkey, "benchmark": bench, "id": p.id, "prompt_tokens": len(ids), "limit": budget})
-                log(f"[evaluate] {where}: {len(ids):,} prompt tokens, over the {budget:,} that fit the target's positions "
-                    f"with max_new_tokens {cfg.max_new_tokens}; skipped (counted as prompts_too_long)")
-                break
-            rec = done.get(tkey)
-            if rec is None:
-                warm_up([ids])
-                rec = {"key": tkey, "benchmark": bench, "id": p.id, "category": p.category, "turn": turn + 1,
-                       **evaluate_prompt(target, drafter, ids, cfg, methods, eos, len(records), where, runners=runners)}
-                append_jsonl(partial, rec)
-                log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
-                    f"{m} tau {fmt(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
-                    f"{fmt(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
-            records.append(rec)
-            rendered.append((ids, rec["plain_tokens"]))
-            history.append({"role": "assistant", "content": answer_text(target.tokenizer, rec["plain_tokens"], eos)})
-
+    records, rendered, too_long = ev.turns(todo, budget)
     if not records:
         raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
                               f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
                               "lower evaluate.max_new_tokens")
-    batch_records = []
-    for B in sorted({b for b in cfg.batch_sizes if b > 1}):
-        for j in range(0, len(rendered) - B + 1, B):  # full batches only
-            bkey = f"batch{B}#{j // B}"
-            rec = done.get(bkey)
-            if rec is None:
-                chunk = rendered[j:j + B]
-                warm_up([c[0] for c in chunk])
-                rec = {"key": bkey, **evaluate_batch(target, drafter, [c[0] for c in chunk], [c[1] for c in chunk],
-                                                     cfg, methods, eos, j, runners=runners)}
-                append_jsonl(partial, rec)
-                log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
-                    f"{m} speedup {fmt(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
-            batch_records.append(rec)
+    batch_records = ev.batches(rendered)
 
     step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], runners=runners,
                                     batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(rendered)],
@@ -237,7 +276,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if fallbacks:  # those calls ran eagerly: their timings are not the graphs path's
         log(f"[evaluate] WARNING: {len(fallbacks)} CUDA-graph capture(s) fell back to eager (capture_fallbacks in results.json)")
     summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
-    atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": eos, "summary": summary, "step_costs": step_costs,
+    atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": ev.eos, "summary": summary, "step_costs": step_costs,
                                                  "prompts": records, "batches": batch_records, "prompts_too_long": too_long,
                                                  "capture_fallbacks": fallbacks})
     atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
