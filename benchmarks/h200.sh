@@ -25,7 +25,8 @@
 # 8B-shaped random-weight target and an H 4096 drafter, batch 1/4/16, chain and tree, host and resident loops;
 # ENGINE_BUDGET seconds of measuring, ~200 s in all; engine2: another configuration, ENGINE2_ARGS) -> consistency (tests/test_consistency.py -m gpu: every
 # round's accepted count equals the drafter's teacher-forced prediction, graphs and resident paths, float32) -> verifyattn
-# (bench_verify_attention.py: one layer's attention at N verify rows against one row, per kernel, 8B shapes). Also: random (random weights, speed only), speculative
+# (bench_verify_attention.py: one layer's attention at N verify rows against one row, per kernel, 8B shapes) -> explain (after
+# peer: explain_turns.py on its run folders, engine tau against teacher-forced tau per turn). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
@@ -114,6 +115,12 @@ for s in $STEPS; do case $s in
                --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
                --ours-name "${PEER_OURS_NAME:-ours}" \
                --out "$OUT/${PEER_OURS_NAME:-ours}-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json" ;;  # partial while cut: bench_peer.py
+  explain)   # benchmarks/explain_turns.py on the peer step's evaluated run folders: each turn's engine tau beside the drafter's
+             # teacher-forced tau on the same tokens, in float32 and in the recipe's dtype (a turn the decoding path lost, or the
+             # drafter's blind spot; e.g. MT-Bench question 137, where seed-0 drafters drafted almost nothing, fourteenth session)
+             for d in /tmp/runs/peer/work/*-s*; do [ -f "$d/eval/results.json" ] || continue
+               for dt in float32 recipe; do step explain "${EXPLAIN_LIMIT:-150}" python3 benchmarks/explain_turns.py "$d" --dtype $dt \
+                 --worst 12 --out "$OUT/explain-$(basename "$d")-$dt.json"; done; done ;;
   trainsmoke) R="--run_dir /tmp/runs/h200-smoke --prepare.max_samples 1500 --regenerate.enabled false --train.max_steps ${SMOKE_STEPS:-40} \
                --train.eval_every 20 --train.heldout_samples 64"  # the recipe's training on original answers: compile, speed, held-out
              step trainsmoke "${SMOKE_LIMIT:-200}" bash -c "for s in prepare vocab train; do \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftsmith.evaluate.explain import accepted_at, predictions
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.verify import plain_generate
@@ -23,7 +24,7 @@ from draftsmith.speculate.fast import FastTarget
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
-from test_engine import PROMPTS, fit_head, make_drafter, teacher_forced
+from test_engine import K_FIT, PROMPTS, fit_head, make_drafter
 from test_fast import fast_mode
 
 K = 4          # chain length
@@ -40,17 +41,10 @@ def build(device: str, tmp_path_factory):
     return target, drafter, seqs
 
 
-@torch.inference_mode()
 def expected_accepted(target, drafter, x: list[int], roots: list[int], drafted: list[int]) -> list[int]:
     """Per round (root index c, drafts d): the length of the run of correct teacher-forced predictions."""
-    preds = [drafter.draft_to_target(drafter.logits(h).argmax(-1)).tolist() for h in teacher_forced(target, drafter, x)]
-    out = []
-    for c, d in zip(roots, drafted):
-        run = 0
-        while run < d and preds[run][c - 1] == x[c + 1 + run]:
-            run += 1
-        out.append(run)
-    return out
+    preds = predictions(target, drafter, x, K_FIT)
+    return [accepted_at(preds, x, c, d) for c, d in zip(roots, drafted)]
 
 
 def check(target, drafter, seqs, fast=None, fd=None, resident=False) -> list[int]:

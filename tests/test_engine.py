@@ -9,6 +9,7 @@ import torch
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import Eagle3Drafter
+from draftsmith.evaluate.explain import teacher_forced
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate, speculative_generate
 from draftsmith.speculate.ngram import NgramProposer
@@ -39,20 +40,6 @@ def make_drafter(target, draft_vocab: int | None = None, seed: int = 0) -> Eagle
 
 
 K_FIT = 4  # drafting steps the fitted head is fitted for
-
-
-@torch.inference_mode()
-def teacher_forced(target, drafter, x: list[int], k: int = K_FIT) -> list[torch.Tensor]:
-    """The drafter's training path (Eagle3Drafter.ttt_step unrolled over the whole sequence x, as
-    train/ttt.py does): [k] hidden states [n, H], step i's row t fed x[t + 1 + i] (zeros past the end)."""
-    dev, n = target.device, len(x)
-    ids = torch.tensor([x + [0] * (k + 1)], device=dev)
-    hidden, cache, out = drafter.project(target.forward(ids[:, :n]).aux_hidden), [], []
-    for i in range(k):
-        hidden = drafter.ttt_step(ids[:, 1 + i:1 + i + n], hidden, torch.arange(n, device=dev)[None] + i, cache,
-                                  attention="reference")
-        out.append(hidden[0])
-    return out
 
 
 @torch.inference_mode()

@@ -1,0 +1,118 @@
+"""Explain a finished evaluate stage turn by turn: each turn's EAGLE-3 engine tau beside the drafter's
+teacher-forced chain tau on the same tokens (draftsmith.evaluate.explain), and every engine round
+checked against the teacher-forced predictions.
+
+    python benchmarks/explain_turns.py RUN_DIR [--dtype float32] [--worst 10] [--out explain.json]
+
+The target and drafter load as evaluate loads them, in --dtype (default float32, TF32 off: the
+predictions are then exact, whatever dtype evaluate decoded in; `recipe` keeps the recipe's). Read
+the table so: a turn whose engine chain tau is far below its teacher-forced tau was lost by the
+decoding path (numerics, graphs, resident rounds); a turn where both are low is the drafter's blind
+spot. With --dtype matching a float32 evaluate, every chain round must equal its prediction and no
+tree round may fall below it (exit 1 otherwise).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from draftsmith.artifacts import DraftsmithError, atomic_write_json, read_json, require_complete, stage_dir
+from draftsmith.config import parse_recipe
+from draftsmith.data.readers import load_prompts
+from draftsmith.evaluate.explain import explain_turn, predictions
+from draftsmith.evaluate.stage import load_models, turn_key, turn_prompt
+from draftsmith.target.model import eos_token_ids, resolve_dtype
+
+
+def measured_turns(cfg, tokenizer, eos: list[int], records: dict) -> list[tuple[dict, list[int]]]:
+    """(record, prompt ids) of every turn evaluate measured, its prompt rendered as evaluate rendered it."""
+    out = []
+    for bench in cfg.benchmarks:
+        for i, p in enumerate(load_prompts(bench, cfg.max_prompts)):
+            answers: list[list[int]] = []
+            for turn in range(len(p.turns)):
+                rec = records.get(turn_key(f"{bench}#{i}", turn))
+                if rec is None:  # not measured (past max_turns, or too long for the target)
+                    break
+                where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
+                ids = turn_prompt(tokenizer, p, turn, answers, eos, where)
+                if len(ids) != rec["prompt_tokens"]:
+                    raise DraftsmithError(f"{where}: renders to {len(ids)} tokens, evaluate measured {rec['prompt_tokens']}; "
+                                          "the target's tokenizer or template changed since: rerun evaluate")
+                out.append((rec, ids))
+                answers.append(rec["plain_tokens"])
+    return out
+
+
+def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = None) -> dict:
+    recipe, _ = parse_recipe([str(run_dir / "recipe.yaml"), "--run_dir", str(run_dir)])
+    require_complete(stage_dir(run_dir, "evaluate"), "evaluate")
+    results = read_json(stage_dir(run_dir, "evaluate") / "results.json")
+    cfg, evaluated_in = recipe.evaluate, recipe.target.dtype
+    if dtype != "recipe":
+        recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, dtype=dtype))
+        if dtype == "float32":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    target, drafter = load_models(recipe, stage_dir(run_dir, "train") / "drafter")
+    records = {r["key"]: r for r in results["prompts"]}
+    k = max(cfg.draft_steps, cfg.tree_depth)
+    turns = []
+    for rec, ids in measured_turns(cfg, target.tokenizer, eos_token_ids(target), records):
+        if not keys or rec["key"] in keys:
+            x = ids + rec["plain_tokens"]
+            row = explain_turn(predictions(target, drafter, x, k), x, len(ids), rec["methods"], cfg.draft_steps)
+            turns.append({"key": rec["key"], "prompt_tokens": len(ids), **row})
+    total = {}
+    for m in ("eagle3_chain", "eagle3_tree"):
+        rows = [t for t in turns if m in t]
+        if rows:
+            r = [records[t["key"]]["methods"][m] for t in rows]
+            total[m] = {"tau": sum(x["emitted"] for x in r) / max(1, sum(x["rounds"] for x in r)),
+                        "rounds": sum(t[m]["rounds"] for t in rows),
+                        "bad_rounds": sum(t[m].get("rounds_unequal", t[m].get("rounds_below_chain", 0)) for t in rows)}
+    tf_rounds = sum(t["rounds_teacher_forced"] for t in turns)
+    total["teacher_forced_chain_tau"] = sum(t["new_tokens"] - 1 for t in turns) / max(1, tf_rounds)
+    name = (lambda dt: str(dt).removeprefix("torch."))
+    return {"run_dir": str(run_dir), "dtype": name(target.dtype), "evaluate_dtype": name(resolve_dtype(evaluated_in, target.device)), "depth": cfg.draft_steps,
+            "turns": turns, "total": total}
+
+
+def gap(t: dict) -> float:
+    """The engine chain's tau less the teacher-forced one (most negative: the turn the engine lost most on)."""
+    c = t.get("eagle3_chain", {}).get("tau")
+    return (c - t["tau_teacher_forced"]) if c is not None else 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, or recipe")
+    ap.add_argument("--keys", nargs="*", help="only these turns (results.json keys, e.g. 'mtbench#56/turn2')")
+    ap.add_argument("--worst", type=int, default=10, help="print this many turns, largest engine shortfall first")
+    ap.add_argument("--out", help="write the whole result as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        res = explain_run(args.run_dir, args.dtype, args.keys)
+    except DraftsmithError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"{'turn':32} {'new':>4} {'tf chain':>8} {'chain':>6} {'unequal':>7} {'tree':>6} {'below':>5}")
+    for t in sorted(res["turns"], key=gap)[:args.worst]:
+        c, tr = t.get("eagle3_chain", {}), t.get("eagle3_tree", {})
+        f = (lambda v: f"{v:.2f}" if isinstance(v, float) else "-")
+        print(f"{t['key']:32} {t['new_tokens']:>4} {f(t['tau_teacher_forced']):>8} {f(c.get('tau')):>6} "
+              f"{c.get('rounds_unequal', '-'):>7} {f(tr.get('tau')):>6} {tr.get('rounds_below_chain', '-'):>5}")
+    print(json.dumps(res["total"]))
+    if args.out:
+        atomic_write_json(Path(args.out), res)
+    exact = res["dtype"] == res["evaluate_dtype"] == "float32"
+    return 1 if exact and any(v.get("bad_rounds") for v in res["total"].values() if isinstance(v, dict)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

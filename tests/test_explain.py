@@ -1,0 +1,87 @@
+"""benchmarks/explain_turns.py on a finished evaluate stage (CPU, float32): every chain round the engine
+decoded equals the drafter's teacher-forced prediction, no tree round falls below it, and the
+teacher-forced chain tau is the engine's; a round that differs is named by turn and round, exit 1."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import pipeline
+from draftsmith.artifacts import atomic_write_json, finish_manifest, new_manifest, read_json
+from draftsmith.config import EvaluateConfig, Recipe, TargetConfig
+from draftsmith.draft.io import save_drafter
+from draftsmith.target.model import eos_token_ids, load_target
+from draftsmith.testing import make_model_dir
+
+from test_engine import fit_head, make_drafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import explain_turns  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run evaluated with the chain and the tree, its drafter's head fitted to the very answers it is
+    evaluated on (rounds accept 0..k drafts: a random head accepts none, and 0 == 0 proves nothing)."""
+    tmp = tmp_path_factory.mktemp("explain")
+    prompts = tmp / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "prompt": "Write a short poem about the sea."}, {"id": "b", "prompt": "What is the capital of France?"},
+        {"id": "mt", "turns": ["Hello!", "Write it again."]}]))
+    target_dir = make_model_dir(tmp / "target", num_layers=4)
+    recipe = Recipe(run_dir=str(tmp / "run"), target=TargetConfig(path=str(target_dir), device="cpu", dtype="float32"),
+                    evaluate=EvaluateConfig(benchmarks=[str(prompts)], max_new_tokens=32, draft_steps=3, tree_depth=3,
+                                            tree_topk=2, tree_budget=5, batch_sizes=[1], methods=["eagle3_chain", "eagle3_tree"],
+                                            step_costs=False, check_lossless=True))
+    run = Path(recipe.run_dir)
+    torch.manual_seed(0)
+    target = load_target(target_dir, device="cpu", dtype="float32")
+    drafter = make_drafter(target, seed=3)
+    save_drafter(drafter, run / "train" / "drafter")
+    finish_manifest(run / "train", new_manifest("train", "train-fp", {}, {}))
+    pipeline.run_stage("evaluate", recipe)  # the target's plain answers, which the head is then fitted to
+    records = {r["key"]: r for r in read_json(run / "eval" / "results.json")["prompts"]}
+    turns = explain_turns.measured_turns(recipe.evaluate, target.tokenizer, eos_token_ids(target), records)
+    fit_head(target, drafter, [ids + rec["plain_tokens"] for rec, ids in turns], k=3)
+    save_drafter(drafter, run / "train" / "drafter")
+    pipeline.run_stage("evaluate", recipe, force=True)
+    return run
+
+
+def test_every_round_matches_teacher_forcing(run_dir, capsys):
+    res = explain_turns.explain_run(run_dir)
+    assert [t["key"].split("#")[1] for t in res["turns"]] == ["0", "1", "2", "2/turn2"]
+    chain, tree = res["total"]["eagle3_chain"], res["total"]["eagle3_tree"]
+    assert chain["bad_rounds"] == 0 and tree["bad_rounds"] == 0 and chain["rounds"] > 8
+    assert res["total"]["teacher_forced_chain_tau"] == pytest.approx(chain["tau"])
+    assert 1.3 < chain["tau"] <= tree["tau"]  # the fitted head accepts: the equality is not 0 == 0
+    for t in res["turns"]:
+        assert t["tau_teacher_forced"] == pytest.approx(t["eagle3_chain"]["tau"]), t
+    assert explain_turns.main([str(run_dir), "--worst", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4  # header, two turns, the totals
+
+
+def test_a_round_the_engine_lost_is_named(run_dir, tmp_path):
+    """A copy of the results whose chain accepted one draft fewer in one round than the drafter predicts."""
+    res_path = run_dir / "eval" / "results.json"
+    saved = res_path.read_bytes()
+    res = read_json(res_path)
+    rec = next(p for p in res["prompts"] if any(a > 0 for a in p["methods"]["eagle3_chain"]["accepted_per_round"]))
+    acc = rec["methods"]["eagle3_chain"]["accepted_per_round"]
+    j = next(i for i, a in enumerate(acc) if a > 0)
+    acc[j] -= 1  # (its later roots shift by one too; the round itself must be the first named)
+    atomic_write_json(res_path, res)
+    try:
+        out = explain_turns.explain_run(run_dir, keys=[rec["key"]])
+        [t] = out["turns"]
+        assert t["eagle3_chain"]["rounds_unequal"] >= 1 and t["eagle3_chain"]["first_bad_round"] == j
+        assert explain_turns.main([str(run_dir), "--out", str(tmp_path / "e.json")]) == 1
+        assert read_json(tmp_path / "e.json")["total"]["eagle3_chain"]["bad_rounds"] >= 1
+    finally:
+        res_path.write_bytes(saved)
