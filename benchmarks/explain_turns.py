@@ -25,7 +25,7 @@ from draftsmith.artifacts import DraftsmithError, atomic_write_json, read_json, 
 from draftsmith.config import parse_recipe
 from draftsmith.data.readers import load_prompts
 from draftsmith.evaluate.explain import explain_turn, predictions
-from draftsmith.evaluate.stage import load_models, turn_key, turn_prompt
+from draftsmith.evaluate.stage import load_models, turn_key, turn_prompt, turn_where
 from draftsmith.target.model import eos_token_ids, resolve_dtype
 
 
@@ -39,7 +39,7 @@ def measured_turns(cfg, tokenizer, eos: list[int], records: dict) -> list[tuple[
                 rec = records.get(turn_key(f"{bench}#{i}", turn))
                 if rec is None:  # not measured (past max_turns, or too long for the target)
                     break
-                where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
+                where = turn_where(bench, p, turn)
                 ids = turn_prompt(tokenizer, p, turn, answers, eos, where)
                 if len(ids) != rec["prompt_tokens"]:
                     raise DraftsmithError(f"{where}: renders to {len(ids)} tokens, evaluate measured {rec['prompt_tokens']}; "
@@ -77,9 +77,13 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
                         "bad_rounds": sum(t[m].get("rounds_unequal", t[m].get("rounds_below_chain", 0)) for t in rows)}
     tf_rounds = sum(t["rounds_teacher_forced"] for t in turns)
     total["teacher_forced_chain_tau"] = sum(t["new_tokens"] - 1 for t in turns) / max(1, tf_rounds)
-    name = (lambda dt: str(dt).removeprefix("torch."))
-    return {"run_dir": str(run_dir), "dtype": name(target.dtype), "evaluate_dtype": name(resolve_dtype(evaluated_in, target.device)), "depth": cfg.draft_steps,
+    return {"run_dir": str(run_dir), "dtype": dtype_name(target.dtype),
+            "evaluate_dtype": dtype_name(resolve_dtype(evaluated_in, target.device)), "depth": cfg.draft_steps,
             "turns": turns, "total": total}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
 
 
 def gap(t: dict) -> float:

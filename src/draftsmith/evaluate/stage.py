@@ -84,6 +84,11 @@ def turn_key(key: str, turn: int) -> str:
     return key if turn == 0 else f"{key}/turn{turn + 1}"
 
 
+def turn_where(bench: str, prompt: Prompt, turn: int) -> str:
+    """A turn as the log and errors name it."""
+    return f"{bench}: prompt {prompt.id}" + (f" turn {turn + 1}" if turn else "")
+
+
 def turn_prompt(tokenizer, prompt: Prompt, turn: int, answers: list[list[int]], eos_ids: list[int], where: str) -> list[int]:
     """Turn `turn` (0-based) of a prompt as the target reads it: each earlier user turn followed by the
     target's own plain answer to it (answers[i]: its new tokens), then this turn's user text."""
@@ -181,7 +186,7 @@ class Evaluation:
         for n, (key, bench, p) in enumerate(todo, 1):
             answers: list[list[int]] = []
             for turn in range(min(len(p.turns), max(cfg.max_turns, 1))):
-                where = f"{bench}: prompt {p.id}" + (f" turn {turn + 1}" if turn else "")
+                where = turn_where(bench, p, turn)
                 ids = turn_prompt(tokenizer, p, turn, answers, self.eos, where)
                 tkey = turn_key(key, turn)
                 if budget is not None and len(ids) > budget:
