@@ -7,7 +7,7 @@ import yaml
 
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.config import parse_recipe
-from draftsmith.pipeline import target_fingerprint
+from draftsmith.pipeline import target_fingerprint, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU, H200, QUICKSTART = ROOT / "recipes/gpu.yaml", ROOT / "benchmarks/recipes/h200.yaml", ROOT / "recipes/quickstart.yaml"
@@ -57,3 +57,21 @@ def test_gpu_recipe_placeholder_must_be_set():
     recipe, _ = parse_recipe([str(GPU), "--target.path", "/nonexistent/model"])
     with pytest.raises(DraftsmithError, match=r"/nonexistent/model/config.json: target model not found"):
         target_fingerprint(recipe)
+
+
+def test_a_runs_recipe_names_where_its_relative_paths_start(tmp_path, monkeypatch):
+    """run_dir/recipe.yaml keeps the quickstart's relative paths as given and names the directory that
+    wrote it; read from another directory, the not-found error says where it looked."""
+    monkeypatch.chdir(ROOT)
+    recipe, _ = parse_recipe([str(QUICKSTART), "--run_dir", str(tmp_path / "run")])
+    (tmp_path / "run").mkdir()
+    write_recipe(recipe, tmp_path / "run")
+    text = (tmp_path / "run" / "recipe.yaml").read_text()
+    assert text.startswith(f"# This run's recipe, written by draftsmith in {ROOT};")
+    again, _ = parse_recipe([str(tmp_path / "run" / "recipe.yaml")])
+    assert again == recipe and again.target.path == "assets/tiny-llama-sharegpt"
+    target_fingerprint(again)  # found from ROOT
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DraftsmithError, match=rf"assets/tiny-llama-sharegpt/config.json: target model not found \(relative to "
+                                              rf"the current directory {tmp_path}\); set target.path"):
+        target_fingerprint(again)

@@ -300,6 +300,12 @@ STAGE_DIRS = {"prepare": "data", "regenerate": "regen", "evaluate": "eval"}
 """Stage name -> its folder in the run directory (DESIGN.md §2), where the two differ."""
 
 
+def relative_hint(path: str | Path) -> str:
+    """For a not-found error: where a relative path was looked for ("" for an absolute one). A run
+    folder's recipe.yaml keeps the paths as given, relative to where the run was started."""
+    return "" if Path(path).expanduser().is_absolute() else f" (relative to the current directory {Path.cwd()})"
+
+
 def stage_dir(run_dir: str | Path, stage: str) -> Path:
     return Path(run_dir) / STAGE_DIRS.get(stage, stage)
 

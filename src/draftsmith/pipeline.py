@@ -35,7 +35,7 @@ import yaml
 from .artifacts import (PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
                         atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
                         output_fingerprint, process_cmdline, process_rank, process_start_time, process_started_at,
-                        rerun_command, stage_dir, to_jsonable)
+                        relative_hint, rerun_command, stage_dir, to_jsonable)
 from .config import Recipe
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
@@ -83,7 +83,8 @@ def target_fingerprint(recipe: Recipe) -> str:
         raise DraftsmithError(f"target.path {t.path!r} is the recipe's placeholder: set it to your local Hugging Face model folder "
                               "in your copy of the recipe, or pass --target.path DIR")
     if not (root / "config.json").exists():
-        raise DraftsmithError(f"{root / 'config.json'}: target model not found; set target.path to a local Hugging Face model folder")
+        raise DraftsmithError(f"{root / 'config.json'}: target model not found{relative_hint(root)}; set target.path to a local "
+                              "Hugging Face model folder")
     parts = []
     for p in sorted(root.iterdir()):
         if p.is_file() and not p.name.startswith("."):
@@ -132,7 +133,11 @@ def stage_status(run_dir: Path, stage: str) -> str:
 
 
 def write_recipe(recipe: Recipe, run_dir: Path) -> None:
-    atomic_write_text(run_dir / RECIPE_FILE, yaml.safe_dump(to_jsonable(recipe), sort_keys=False))
+    """The run's whole recipe, its paths as given: a relative one resolves against the directory a
+    command runs from, so the header names the one that wrote it."""
+    head = (f"# This run's recipe, written by draftsmith in {Path.cwd()}; its relative paths resolve against the\n"
+            "# directory a command runs from.\n")
+    atomic_write_text(run_dir / RECIPE_FILE, head + yaml.safe_dump(to_jsonable(recipe), sort_keys=False))
 
 
 def previous_dir(out_dir: Path) -> Path:

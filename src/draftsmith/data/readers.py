@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ..artifacts import DraftsmithError, log
+from ..artifacts import DraftsmithError, log, relative_hint
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -228,7 +228,8 @@ def resolve_source(source: str, fmt: str = "auto") -> tuple[Path, str]:
         return path, builtin_fmt if fmt == "auto" else fmt
     path = Path(source).expanduser()
     if not path.is_file():
-        raise DraftsmithError(f"{source}: no such file; give a .json/.jsonl file or a builtin name ({', '.join(BUILTINS)})")
+        raise DraftsmithError(f"{source}: no such file{relative_hint(source)}; give a .json/.jsonl file or a builtin name "
+                              f"({', '.join(BUILTINS)})")
     if fmt != "auto":
         if fmt not in FORMATS:
             raise DraftsmithError(f"{path}: unknown format {fmt!r}; use one of auto, {', '.join(FORMATS)}")

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError
+from ..artifacts import DraftsmithError, relative_hint
 from ..compat import cache_kwargs, output_cache
 from ..distributed import resolve_device
 
@@ -198,7 +198,8 @@ def load_target(path: str | Path, device: str = "auto", dtype: str = "auto", tru
 
     path = Path(path)
     if not (path / "config.json").exists():
-        raise DraftsmithError(f"{path / 'config.json'}: not found; target.path must be a local Hugging Face model folder")
+        raise DraftsmithError(f"{path / 'config.json'}: not found{relative_hint(path)}; target.path must be a local Hugging Face "
+                              "model folder")
     if not any(path.glob("*.safetensors")):
         raise DraftsmithError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are never loaded); "
                               "convert the checkpoint to safetensors")
