@@ -54,6 +54,9 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
     require_complete(stage_dir(run_dir, "evaluate"), "evaluate")
     results = read_json(stage_dir(run_dir, "evaluate") / "results.json")
     cfg, evaluated_in = recipe.evaluate, recipe.target.dtype
+    if cfg.temperature > 0:
+        raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: evaluate sampled (evaluate.temperature {cfg.temperature}); teacher-forced "
+                              "predictions explain greedy rounds only: evaluate with --evaluate.temperature 0")
     if dtype != "recipe":
         recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, dtype=dtype))
         if dtype == "float32":

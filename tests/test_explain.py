@@ -85,3 +85,13 @@ def test_a_round_the_engine_lost_is_named(run_dir, tmp_path):
         assert read_json(tmp_path / "e.json")["total"]["eagle3_chain"]["bad_rounds"] >= 1
     finally:
         res_path.write_bytes(saved)
+
+
+def test_a_sampled_evaluation_is_refused(run_dir, tmp_path, capsys):
+    text = (run_dir / "recipe.yaml").read_text()
+    try:
+        (run_dir / "recipe.yaml").write_text(text.replace("temperature: 0.0", "temperature: 0.7"))
+        assert explain_turns.main([str(run_dir)]) == 2
+        assert "evaluate sampled (evaluate.temperature 0.7)" in capsys.readouterr().err
+    finally:
+        (run_dir / "recipe.yaml").write_text(text)
