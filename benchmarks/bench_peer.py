@@ -203,7 +203,8 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str, compile_f
     model.save_pretrained(str(out_dir / "final"))
     trained = {"checkpoint": str(out_dir / "final"), "steps": trainer.global_step,
                "steps_per_epoch": len(loader), "total_seq_len": total_seq_len, "train_s": round(time.time() - t0, 1),
-               "tokens_per_epoch": sum(index.lengths), "compiled": compiled, "defaults": d}
+               "tokens_per_epoch": sum(index.lengths), "compiled": compiled, "defaults": d,
+               "setting": peer_setting(args, recipe)}
     if compile_failure:  # the first, whole-forward attempt's error (train_peer)
         trained["compile_failure"] = compile_failure
     atomic_write_json(out_dir / TRAINED, trained)  # written last: its presence says the checkpoint is whole
@@ -213,14 +214,25 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str, compile_f
 TRAINED = "trained.json"
 
 
+def peer_setting(args, recipe) -> dict:
+    """What the peer's training depends on beyond its defaults: the data (the base capture) and what
+    equal data fixes (epochs, TTT depth, cut length, tokens a step)."""
+    return {"capture": require_complete(stage_dir(Path(args.base), "capture"), "capture")["fingerprint"],
+            "epochs": recipe.train.epochs, "ttt_steps": recipe.train.ttt_steps, "max_length": recipe.train.max_length,
+            "total_seq_len": peer_batch(args)}
+
+
 def trained_peer(args, recipe, seed: int, out_dir: Path) -> dict:
-    """The peer's checkpoint of an earlier run of this seed when it finished (its trained.json), else
-    a fresh training: a rerun after an interruption goes on to the measurement."""
+    """The peer's checkpoint of an earlier run of this seed when it finished (its trained.json) with
+    the same defaults and setting (peer_setting), else a fresh training: a rerun after an interruption
+    goes on to the measurement, a run at other epochs or on other data trains again."""
     if (out_dir / TRAINED).exists() and (out_dir / "final").is_dir():
         trained = read_json(out_dir / TRAINED)
-        if trained.get("defaults") == PEER_DEFAULTS and trained.get("total_seq_len") == peer_batch(args):
+        if trained.get("defaults") == PEER_DEFAULTS and trained.get("setting") == peer_setting(args, recipe):
             print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} is complete; reused", flush=True)
             return trained
+        print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} was trained with other settings; "
+              "training again", flush=True)
     return train_peer(args, recipe, seed, out_dir)
 
 

@@ -248,3 +248,27 @@ def test_peer_ratio_interval_over_turns(tmp_path, monkeypatch):
     assert bench_peer.main(["--merge", *files, "--out", str(tmp_path / "m.json")]) == 0
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["peer_tau_ratio_ci95"] == list(bench_peer.ratio_interval(r, "tau_tree")[0]) and m["peer_tau_ratio_turns"] == 30
+
+
+def test_the_peers_checkpoint_is_reused_only_at_the_same_setting(tmp_path, monkeypatch):
+    """A finished peer checkpoint of this seed is reused when its defaults, data and equal-data
+    settings are this run's; at other epochs (or another capture) the peer trains again."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_peer
+    from draftsmith.artifacts import atomic_write_json
+    from draftsmith.config import Recipe, TrainConfig
+
+    atomic_write_json(tmp_path / "base" / "capture" / "manifest.json", {"status": "complete", "fingerprint": "cap-1"})
+    args = type("A", (), dict(base=str(tmp_path / "base"), total_seq_len=1024))()
+    trainings = []
+    monkeypatch.setattr(bench_peer, "train_peer", lambda args, recipe, seed, out: trainings.append(recipe.train.epochs) or
+                        {"trained": recipe.train.epochs})
+    out = tmp_path / "theirs" / "speculators"
+    (out / "final").mkdir(parents=True)
+    two = Recipe(train=TrainConfig(epochs=2))
+    atomic_write_json(out / bench_peer.TRAINED, {"defaults": bench_peer.PEER_DEFAULTS, "steps": 7,
+                                                  "setting": bench_peer.peer_setting(args, two)})
+    assert bench_peer.trained_peer(args, two, 0, out)["steps"] == 7 and trainings == []      # reused
+    assert bench_peer.trained_peer(args, Recipe(train=TrainConfig(epochs=4)), 0, out) == {"trained": 4}
+    atomic_write_json(tmp_path / "base" / "capture" / "manifest.json", {"status": "complete", "fingerprint": "cap-2"})
+    assert bench_peer.trained_peer(args, two, 0, out) == {"trained": 2} and trainings == [4, 2]  # other data
