@@ -52,7 +52,12 @@ def measured_turns(cfg, tokenizer, eos: list[int], records: dict) -> list[tuple[
 def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = None) -> dict:
     recipe, _ = parse_recipe([str(run_dir / "recipe.yaml"), "--run_dir", str(run_dir)])
     require_complete(stage_dir(run_dir, "evaluate"), "evaluate")
-    results = read_json(stage_dir(run_dir, "evaluate") / "results.json")
+    results_path = stage_dir(run_dir, "evaluate") / "results.json"
+    records = {r["key"]: r for r in read_json(results_path)["prompts"]}
+    missing = [k for k in keys or [] if k not in records]
+    if missing:
+        raise DraftsmithError(f"{results_path}: no measured turn has the key(s) {', '.join(missing)}; give keys as "
+                              f"results.json names them, e.g. {next(iter(records), '(none)')!r}")
     cfg, evaluated_in = recipe.evaluate, recipe.target.dtype
     if cfg.temperature > 0:
         raise DraftsmithError(f"{run_dir / 'recipe.yaml'}: evaluate sampled (evaluate.temperature {cfg.temperature}); teacher-forced "
@@ -62,7 +67,6 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
         if dtype == "float32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     target, drafter = load_models(recipe, stage_dir(run_dir, "train") / "drafter")
-    records = {r["key"]: r for r in results["prompts"]}
     k = max(cfg.draft_steps, cfg.tree_depth)
     turns = []
     for rec, ids in measured_turns(cfg, target.tokenizer, eos_token_ids(target), records):

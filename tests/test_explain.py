@@ -87,6 +87,12 @@ def test_a_round_the_engine_lost_is_named(run_dir, tmp_path):
         res_path.write_bytes(saved)
 
 
+def test_an_unknown_key_is_one_line(run_dir, capsys):
+    assert explain_turns.main([str(run_dir), "--keys", "mtbench#99"]) == 2
+    err = capsys.readouterr().err
+    assert "no measured turn has the key(s) mtbench#99" in err and err.count("\n") == 1
+
+
 def test_a_sampled_evaluation_is_refused(run_dir, tmp_path, capsys):
     text = (run_dir / "recipe.yaml").read_text()
     try:
