@@ -51,8 +51,9 @@ def measured_turns(cfg, tokenizer, eos: list[int], records: dict) -> list[tuple[
 
 def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = None) -> dict:
     recipe, _ = parse_recipe([str(run_dir / "recipe.yaml"), "--run_dir", str(run_dir)])
-    require_complete(stage_dir(run_dir, "evaluate"), "evaluate")
-    results_path = stage_dir(run_dir, "evaluate") / "results.json"
+    eval_dir = stage_dir(run_dir, "evaluate")
+    require_complete(eval_dir, "evaluate")
+    results_path = eval_dir / "results.json"
     records = {r["key"]: r for r in read_json(results_path)["prompts"]}
     missing = [k for k in keys or [] if k not in records]
     if missing:
@@ -81,7 +82,7 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
             r = [records[t["key"]]["methods"][m] for t in rows]
             total[m] = {"tau": sum(x["emitted"] for x in r) / max(1, sum(x["rounds"] for x in r)),
                         "rounds": sum(t[m]["rounds"] for t in rows),
-                        "bad_rounds": sum(t[m].get("rounds_unequal", t[m].get("rounds_below_chain", 0)) for t in rows)}
+                        "bad_rounds": sum(t[m]["bad_rounds"] for t in rows)}
     tf_rounds = sum(t["rounds_teacher_forced"] for t in turns)
     total["teacher_forced_chain_tau"] = sum(t["new_tokens"] - 1 for t in turns) / max(1, tf_rounds)
     return {"run_dir": str(run_dir), "dtype": dtype_name(target.dtype),
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
         c, tr = t.get("eagle3_chain", {}), t.get("eagle3_tree", {})
         f = (lambda v: f"{v:.2f}" if isinstance(v, float) else "-")
         print(f"{t['key']:32} {t['new_tokens']:>4} {f(t['tau_teacher_forced']):>8} {f(c.get('tau')):>6} "
-              f"{c.get('rounds_unequal', '-'):>7} {f(tr.get('tau')):>6} {tr.get('rounds_below_chain', '-'):>5}")
+              f"{c.get('bad_rounds', '-'):>7} {f(tr.get('tau')):>6} {tr.get('bad_rounds', '-'):>5}")
     print(json.dumps(res["total"]))
     if args.out:
         atomic_write_json(Path(args.out), res)

@@ -80,7 +80,8 @@ def test_a_round_the_engine_lost_is_named(run_dir, tmp_path):
     try:
         out = explain_turns.explain_run(run_dir, keys=[rec["key"]])
         [t] = out["turns"]
-        assert t["eagle3_chain"]["rounds_unequal"] >= 1 and t["eagle3_chain"]["first_bad_round"] == j
+        assert t["eagle3_chain"]["check"] == "equal" and t["eagle3_chain"]["bad_rounds"] >= 1
+        assert t["eagle3_chain"]["first_bad_round"] == j
         assert explain_turns.main([str(run_dir), "--out", str(tmp_path / "e.json")]) == 1
         assert read_json(tmp_path / "e.json")["total"]["eagle3_chain"]["bad_rounds"] >= 1
     finally:

@@ -28,7 +28,8 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
-from .artifacts import DraftsmithError, Ledger, load_manifest, process_cmdline, process_start_time, stage_dir
+from .artifacts import (DraftsmithError, Ledger, load_manifest, process_cmdline, process_start_time, relative_hint,
+                        stage_dir)
 from .compat import TESTED
 from .config import parse_recipe
 from .costmodel import drafter_params, target_spec
@@ -271,7 +272,8 @@ def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
         spec = target_spec(cfg)
         checks += [check_disk(recipe, spec), check_memory(recipe, spec, cfg, found)]
     else:
-        checks.append(check("target", "fail", f"{cfg_path}: not found; set target.path to a local Hugging Face model folder"))
+        checks.append(check("target", "fail", f"{cfg_path}: not found{relative_hint(cfg_path)}; set target.path to a local "
+                                              "Hugging Face model folder"))
     run_dir = Path(recipe.run_dir)
     if run_dir.is_dir():
         checks += check_processes(run_dir, kill_stale)

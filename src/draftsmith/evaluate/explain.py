@@ -71,7 +71,8 @@ def chain_tau(preds: list[list[int]], x: list[int], prompt_len: int, depth: int)
 
 def explain_turn(preds: list[list[int]], x: list[int], prompt_len: int, methods: dict, depth: int) -> dict:
     """One turn: the chain's teacher-forced tau beside each EAGLE-3 method's engine tau, and its
-    rounds checked against the predictions (a chain's accepted count equal to them; a tree's not below them)."""
+    rounds checked against the predictions (`check`: a chain's accepted count equal to them, a tree's
+    not below them; `bad_rounds` break it)."""
     tau_tf, rounds_tf = chain_tau(preds, x, prompt_len, depth)
     row = {"new_tokens": len(x) - prompt_len, "tau_teacher_forced": tau_tf, "rounds_teacher_forced": rounds_tf}
     for m, r in methods.items():
@@ -82,5 +83,5 @@ def explain_turn(preds: list[list[int]], x: list[int], prompt_len: int, methods:
         chain = m == "eagle3_chain"
         bad = [j for j, (a, w) in enumerate(zip(accepted, want)) if (a != w if chain else a < w)]
         row[m] = {"tau": r["emitted"] / r["rounds"] if r["rounds"] else None, "rounds": len(accepted),
-                  ("rounds_unequal" if chain else "rounds_below_chain"): len(bad), "first_bad_round": bad[0] if bad else None}
+                  "check": "equal" if chain else "not below", "bad_rounds": len(bad), "first_bad_round": bad[0] if bad else None}
     return row
