@@ -6,10 +6,12 @@ checked against the teacher-forced predictions.
 
 The target and drafter load as evaluate loads them, in --dtype (default float32, TF32 off: the
 predictions are then exact, whatever dtype evaluate decoded in; `recipe` keeps the recipe's). Read
-the table so: a turn whose engine chain tau is far below its teacher-forced tau was lost by the
-decoding path (numerics, graphs, resident rounds); a turn where both are low is the drafter's blind
-spot. With --dtype matching a float32 evaluate, every chain round must equal its prediction and no
-tree round may fall below it (exit 1 otherwise).
+the table so: `left at` is the new token where the method's answer left plain decoding's (a bf16
+near-tie; `-`: never): its rounds from there are not checked, and its tau measures another answer
+(such turns are listed last). Otherwise a turn whose engine chain tau is far below its teacher-forced
+tau was lost by the decoding path (numerics, graphs, resident rounds); a turn where both are low is
+the drafter's blind spot. With --dtype matching a float32 evaluate, every chain round must equal its
+prediction and no tree round may fall below it (exit 1 otherwise).
 """
 from __future__ import annotations
 
@@ -82,6 +84,8 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
             r = [records[t["key"]]["methods"][m] for t in rows]
             total[m] = {"tau": sum(x["emitted"] for x in r) / max(1, sum(x["rounds"] for x in r)),
                         "rounds": sum(t[m]["rounds"] for t in rows),
+                        "checked_rounds": sum(t[m]["checked_rounds"] for t in rows),
+                        "diverged_turns": sum(t[m]["diverged_at"] is not None for t in rows),
                         "bad_rounds": sum(t[m]["bad_rounds"] for t in rows)}
     tf_rounds = sum(t["rounds_teacher_forced"] for t in turns)
     total["teacher_forced_chain_tau"] = sum(t["new_tokens"] - 1 for t in turns) / max(1, tf_rounds)
@@ -95,9 +99,12 @@ def dtype_name(dt: torch.dtype) -> str:
 
 
 def gap(t: dict) -> float:
-    """The engine chain's tau less the teacher-forced one (most negative: the turn the engine lost most on)."""
-    c = t.get("eagle3_chain", {}).get("tau")
-    return (c - t["tau_teacher_forced"]) if c is not None else 0.0
+    """The engine chain's tau less the teacher-forced one (most negative: the turn the engine lost most on);
+    a chain that left plain decoding's answer decoded other tokens: last."""
+    c = t.get("eagle3_chain", {})
+    if c.get("tau") is None or c["diverged_at"] is not None:
+        return float("inf")
+    return c["tau"] - t["tau_teacher_forced"]
 
 
 def main(argv=None) -> int:
@@ -113,12 +120,13 @@ def main(argv=None) -> int:
     except DraftsmithError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"{'turn':32} {'new':>4} {'tf chain':>8} {'chain':>6} {'unequal':>7} {'tree':>6} {'below':>5}")
+    print(f"{'turn':32} {'new':>4} {'tf chain':>8} {'chain':>6} {'left at':>7} {'unequal':>7} {'tree':>6} {'left at':>7} {'below':>5}")
     for t in sorted(res["turns"], key=gap)[:args.worst]:
         c, tr = t.get("eagle3_chain", {}), t.get("eagle3_tree", {})
         f = (lambda v: f"{v:.2f}" if isinstance(v, float) else "-")
-        print(f"{t['key']:32} {t['new_tokens']:>4} {f(t['tau_teacher_forced']):>8} {f(c.get('tau')):>6} "
-              f"{c.get('bad_rounds', '-'):>7} {f(tr.get('tau')):>6} {tr.get('bad_rounds', '-'):>5}")
+        d = (lambda v: "-" if v is None else v)
+        print(f"{t['key']:32} {t['new_tokens']:>4} {f(t['tau_teacher_forced']):>8} {f(c.get('tau')):>6} {d(c.get('diverged_at')):>7} "
+              f"{c.get('bad_rounds', '-'):>7} {f(tr.get('tau')):>6} {d(tr.get('diverged_at')):>7} {tr.get('bad_rounds', '-'):>5}")
     print(json.dumps(res["total"]))
     if args.out:
         atomic_write_json(Path(args.out), res)

@@ -88,6 +88,33 @@ def test_a_round_the_engine_lost_is_named(run_dir, tmp_path):
         res_path.write_bytes(saved)
 
 
+def test_rounds_past_a_divergence_are_not_checked(run_dir):
+    """A chain whose answer left plain decoding's (a bf16 near-tie; evaluate records first_difference):
+    the rounds that emitted the plain answer's tokens are checked, those from the divergence on decode
+    other tokens than the teacher-forced sequence and are not; a changed round before it is still named."""
+    res_path = run_dir / "eval" / "results.json"
+    saved = res_path.read_bytes()
+    res = read_json(res_path)
+    rec = max(res["prompts"], key=lambda p: len(p["methods"]["eagle3_chain"]["accepted_per_round"]))
+    chain = rec["methods"]["eagle3_chain"]
+    acc, j0 = chain["accepted_per_round"], len(chain["accepted_per_round"]) // 2
+    chain["first_difference"] = sum(a + 1 for a in acc[:j0]) + 1  # the first token round j0 emits
+    acc[j0:] = [0 if a else 1 for a in acc[j0:]]  # every later round unlike its prediction
+    atomic_write_json(res_path, res)
+    try:
+        [t] = explain_turns.explain_run(run_dir, keys=[rec["key"]])["turns"]
+        c = t["eagle3_chain"]
+        assert (c["diverged_at"], c["checked_rounds"], c["bad_rounds"]) == (chain["first_difference"], j0, 0)
+        assert t["eagle3_tree"]["diverged_at"] is None and t["eagle3_tree"]["checked_rounds"] == t["eagle3_tree"]["rounds"]
+        j1 = next(j for j in reversed(range(j0)) if acc[j] > 0)
+        acc[j1] -= 1  # a round before the divergence that accepted one draft fewer is a bad round
+        atomic_write_json(res_path, res)
+        [t] = explain_turns.explain_run(run_dir, keys=[rec["key"]])["turns"]
+        assert t["eagle3_chain"]["first_bad_round"] == j1
+    finally:
+        res_path.write_bytes(saved)
+
+
 def test_an_unknown_key_is_one_line(run_dir, capsys):
     assert explain_turns.main([str(run_dir), "--keys", "mtbench#99"]) == 2
     err = capsys.readouterr().err

@@ -8,10 +8,12 @@ the run of steps whose argmax is x[c + 1 + i], capped by the round's drafts.
 
 In float32 these predictions are the engine's accepted counts round by round, on every decoding path
 (tests/test_consistency.py), and a tree round never accepts less than its chain's prediction (the
-chain is always in the tree). On a GPU in bfloat16, graphs or resident rounds, a turn whose engine
-tau falls far below its teacher-forced tau is the decoding path failing, not the drafter; a turn
-where both are low is the drafter's own blind spot. `benchmarks/explain_turns.py` runs this on a
-finished evaluate stage.
+chain is always in the tree). In bfloat16 a greedy speculative answer may leave the plain one at a
+near-tie (the verify forward's rounding differs from one row's; evaluate records the first new token
+where they differ): rounds from there on decode other tokens than x, so they are left unchecked, and
+that turn's engine tau measures another answer. Up to its divergence a round that differs from its
+prediction is the decoding path's doing; a turn whose teacher-forced tau is itself low is the
+drafter's own blind spot. `benchmarks/explain_turns.py` runs this on a finished evaluate stage.
 """
 from __future__ import annotations
 
@@ -72,16 +74,21 @@ def chain_tau(preds: list[list[int]], x: list[int], prompt_len: int, depth: int)
 def explain_turn(preds: list[list[int]], x: list[int], prompt_len: int, methods: dict, depth: int) -> dict:
     """One turn: the chain's teacher-forced tau beside each EAGLE-3 method's engine tau, and its
     rounds checked against the predictions (`check`: a chain's accepted count equal to them, a tree's
-    not below them; `bad_rounds` break it)."""
+    not below them; `bad_rounds` break it). A method whose answer left x's at new token f
+    (`diverged_at`, evaluate's first_difference) has only the rounds that emitted tokens before it
+    checked (`checked_rounds`)."""
     tau_tf, rounds_tf = chain_tau(preds, x, prompt_len, depth)
     row = {"new_tokens": len(x) - prompt_len, "tau_teacher_forced": tau_tf, "rounds_teacher_forced": rounds_tf}
     for m, r in methods.items():
         if not m.startswith("eagle3") or "accepted_per_round" not in r:
             continue
-        accepted, drafted = r["accepted_per_round"], r["drafted_per_round"]
-        want = [accepted_at(preds, x, c, min(d, len(preds))) for c, d in zip(engine_roots(prompt_len, accepted), drafted)]
+        accepted, drafted, f = r["accepted_per_round"], r["drafted_per_round"], r.get("first_difference")
+        roots = engine_roots(prompt_len, accepted)
+        checked = [j for j, (c, a) in enumerate(zip(roots, accepted)) if f is None or c + a + 1 < prompt_len + f]
         chain = m == "eagle3_chain"
-        bad = [j for j, (a, w) in enumerate(zip(accepted, want)) if (a != w if chain else a < w)]
+        want = {j: accepted_at(preds, x, roots[j], min(drafted[j], len(preds))) for j in checked}
+        bad = [j for j, w in want.items() if (accepted[j] != w if chain else accepted[j] < w)]
         row[m] = {"tau": r["emitted"] / r["rounds"] if r["rounds"] else None, "rounds": len(accepted),
-                  "check": "equal" if chain else "not below", "bad_rounds": len(bad), "first_bad_round": bad[0] if bad else None}
+                  "diverged_at": f, "checked_rounds": len(checked), "check": "equal" if chain else "not below",
+                  "bad_rounds": len(bad), "first_bad_round": bad[0] if bad else None}
     return row
