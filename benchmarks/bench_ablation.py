@@ -194,20 +194,21 @@ def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[st
     if ev is None:
         ev = pipeline.run_stage("evaluate", recipe_for(recipe_path, run_dir, seed, flags, eval_flags(args, ngram)),
                                 force=complete)
-    methods = ev["metrics"]["methods"]
+    methods, eagle = ev["metrics"]["methods"], ("eagle3_chain", "eagle3_tree")
+    prompts = read_json(stage_dir(run_dir, "evaluate") / "results.json")["prompts"]
     out = {"tau_chain": methods["eagle3_chain"]["tau"], "tau_tree": methods["eagle3_tree"]["tau"],
            "speedup_chain": methods["eagle3_chain"]["speedup"], "speedup_tree": methods["eagle3_tree"]["speedup"],
-           "engine_accept_rate": ev["metrics"]["accept_rate_per_position"],
-           "per_turn": per_turn(stage_dir(run_dir, "evaluate") / "results.json", ("eagle3_chain", "eagle3_tree"))}
+           "engine_accept_rate": ev["metrics"]["accept_rate_per_position"], "per_turn": per_turn(prompts, eagle),
+           # greedy answers identical to plain decoding's (in bf16 the rest left it at a near-tie: another answer)
+           "identical_to_plain": {m: sum(p["methods"][m].get("lossless") is True for p in prompts) for m in eagle}}
     if "ngram" in methods:
         out.update(ngram_tau=methods["ngram"]["tau"], ngram_speedup=methods["ngram"]["speedup"])
     return out
 
 
-def per_turn(results: Path, methods) -> dict:
-    """{method: [[turn key, tokens emitted, rounds], ...]} at batch 1 from an evaluate stage's
-    results.json: tau of any set of turns is sum(emitted) / sum(rounds), as evaluate's own."""
-    prompts = read_json(results)["prompts"]
+def per_turn(prompts: list[dict], methods) -> dict:
+    """{method: [[turn key, tokens emitted, rounds], ...]} at batch 1 from the prompts of an evaluate
+    stage's results.json: tau of any set of turns is sum(emitted) / sum(rounds), as evaluate's own."""
     return {m: [[p["key"], p["methods"][m]["emitted"], p["methods"][m]["rounds"]] for p in prompts] for m in methods}
 
 

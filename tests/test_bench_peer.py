@@ -74,12 +74,14 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
     atomic_write_json(run / "eval" / "manifest.json", evaluation(code_fingerprint()))
     turns = [("mtbench#0", (10, 5), (12, 4)), ("mtbench#0/turn2", (9, 3), (9, 3))]
     atomic_write_json(run / "eval" / "results.json", {"prompts": [
-        {"key": k, "methods": {"eagle3_chain": {"emitted": c[0], "rounds": c[1]}, "eagle3_tree": {"emitted": t[0], "rounds": t[1]}}}
+        {"key": k, "methods": {"eagle3_chain": {"emitted": c[0], "rounds": c[1], "lossless": k == "mtbench#0"},
+                               "eagle3_tree": {"emitted": t[0], "rounds": t[1], "lossless": True}}}
         for k, c, t in turns]})
     row = ab.engine_taus(args, "r.yaml", run, 0, [])
     assert row["speedup_tree"] == 1.3 and calls == []
     assert row["per_turn"] == {"eagle3_chain": [["mtbench#0", 10, 5], ["mtbench#0/turn2", 9, 3]],
                                "eagle3_tree": [["mtbench#0", 12, 4], ["mtbench#0/turn2", 9, 3]]}
+    assert row["identical_to_plain"] == {"eagle3_chain": 1, "eagle3_tree": 2}  # the second chain answer left plain's
     atomic_write_json(run / "eval" / "manifest.json", evaluation("older-code"))
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
 
