@@ -25,30 +25,9 @@ import torch
 
 from draftsmith.artifacts import DraftsmithError, atomic_write_json, read_json, require_complete, stage_dir
 from draftsmith.config import parse_recipe
-from draftsmith.data.readers import load_prompts
 from draftsmith.evaluate.explain import explain_turn, predictions
-from draftsmith.evaluate.stage import load_models, turn_key, turn_prompt, turn_where
-from draftsmith.target.model import eos_token_ids, resolve_dtype
-
-
-def measured_turns(cfg, tokenizer, eos: list[int], records: dict) -> list[tuple[dict, list[int]]]:
-    """(record, prompt ids) of every turn evaluate measured, its prompt rendered as evaluate rendered it."""
-    out = []
-    for bench in cfg.benchmarks:
-        for i, p in enumerate(load_prompts(bench, cfg.max_prompts)):
-            answers: list[list[int]] = []
-            for turn in range(len(p.turns)):
-                rec = records.get(turn_key(f"{bench}#{i}", turn))
-                if rec is None:  # not measured (past max_turns, or too long for the target)
-                    break
-                where = turn_where(bench, p, turn)
-                ids = turn_prompt(tokenizer, p, turn, answers, eos, where)
-                if len(ids) != rec["prompt_tokens"]:
-                    raise DraftsmithError(f"{where}: renders to {len(ids)} tokens, evaluate measured {rec['prompt_tokens']}; "
-                                          "the target's tokenizer or template changed since: rerun evaluate")
-                out.append((rec, ids))
-                answers.append(rec["plain_tokens"])
-    return out
+from draftsmith.evaluate.stage import load_models
+from draftsmith.target.model import resolve_dtype
 
 
 def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = None) -> dict:
@@ -57,6 +36,9 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
     require_complete(eval_dir, "evaluate")
     results_path = eval_dir / "results.json"
     records = {r["key"]: r for r in read_json(results_path)["prompts"]}
+    if any("prompt_ids" not in r for r in records.values()):
+        raise DraftsmithError(f"{results_path}: written before evaluate kept each turn's prompt ids; rerun evaluate "
+                              f"(draftsmith evaluate {run_dir / 'recipe.yaml'} --run_dir {run_dir} --force)")
     missing = [k for k in keys or [] if k not in records]
     if missing:
         raise DraftsmithError(f"{results_path}: no measured turn has the key(s) {', '.join(missing)}; give keys as "
@@ -72,11 +54,11 @@ def explain_run(run_dir: Path, dtype: str = "float32", keys: list[str] | None = 
     target, drafter = load_models(recipe, stage_dir(run_dir, "train") / "drafter")
     k = max(cfg.draft_steps, cfg.tree_depth)
     turns = []
-    for rec, ids in measured_turns(cfg, target.tokenizer, eos_token_ids(target), records):
+    for rec in records.values():
         if not keys or rec["key"] in keys:
-            x = ids + rec["plain_tokens"]
-            row = explain_turn(predictions(target, drafter, x, k), x, len(ids), rec["methods"], cfg.draft_steps)
-            turns.append({"key": rec["key"], "prompt_tokens": len(ids), **row})
+            x = rec["prompt_ids"] + rec["plain_tokens"]
+            row = explain_turn(predictions(target, drafter, x, k), x, rec["prompt_tokens"], rec["methods"], cfg.draft_steps)
+            turns.append({"key": rec["key"], "prompt_tokens": rec["prompt_tokens"], **row})
     total = {}
     for m in ("eagle3_chain", "eagle3_tree"):
         rows = [t for t in turns if m in t]

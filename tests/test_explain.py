@@ -14,7 +14,7 @@ from draftsmith import pipeline
 from draftsmith.artifacts import atomic_write_json, finish_manifest, new_manifest, read_json
 from draftsmith.config import EvaluateConfig, Recipe, TargetConfig
 from draftsmith.draft.io import save_drafter
-from draftsmith.target.model import eos_token_ids, load_target
+from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
 from test_engine import fit_head, make_drafter
@@ -46,9 +46,8 @@ def run_dir(tmp_path_factory) -> Path:
     save_drafter(drafter, run / "train" / "drafter")
     finish_manifest(run / "train", new_manifest("train", "train-fp", {}, {}))
     pipeline.run_stage("evaluate", recipe)  # the target's plain answers, which the head is then fitted to
-    records = {r["key"]: r for r in read_json(run / "eval" / "results.json")["prompts"]}
-    turns = explain_turns.measured_turns(recipe.evaluate, target.tokenizer, eos_token_ids(target), records)
-    fit_head(target, drafter, [ids + rec["plain_tokens"] for rec, ids in turns], k=3)
+    records = read_json(run / "eval" / "results.json")["prompts"]
+    fit_head(target, drafter, [rec["prompt_ids"] + rec["plain_tokens"] for rec in records], k=3)
     save_drafter(drafter, run / "train" / "drafter")
     pipeline.run_stage("evaluate", recipe, force=True)
     return run
@@ -119,6 +118,21 @@ def test_an_unknown_key_is_one_line(run_dir, capsys):
     assert explain_turns.main([str(run_dir), "--keys", "mtbench#99"]) == 2
     err = capsys.readouterr().err
     assert "no measured turn has the key(s) mtbench#99" in err and err.count("\n") == 1
+
+
+def test_results_without_prompt_ids_are_one_line(run_dir, capsys):
+    """A results.json from before evaluate kept each turn's prompt ids: rerun evaluate, said in one line."""
+    res_path = run_dir / "eval" / "results.json"
+    saved = res_path.read_bytes()
+    res = read_json(res_path)
+    del res["prompts"][1]["prompt_ids"]
+    atomic_write_json(res_path, res)
+    try:
+        assert explain_turns.main([str(run_dir)]) == 2
+        err = capsys.readouterr().err
+        assert "written before evaluate kept each turn's prompt ids; rerun evaluate" in err and err.count("\n") == 1
+    finally:
+        res_path.write_bytes(saved)
 
 
 def test_a_sampled_evaluation_is_refused(run_dir, tmp_path, capsys):

@@ -204,8 +204,8 @@ def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[s
                     salt: int, where: str, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
     """Plain and every method on one prompt, batch 1."""
     [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, seeded_generator(target, cfg, salt), runners)
-    rec = {"prompt_tokens": len(prompt_ids), "plain_new_tokens": len(plain), "plain_s": plain_s, "plain_tokens": plain,
-           "methods": {}}
+    rec = {"prompt_tokens": len(prompt_ids), "prompt_ids": prompt_ids, "plain_new_tokens": len(plain), "plain_s": plain_s,
+           "plain_tokens": plain, "methods": {}}
     for m in methods:
         [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, seeded_generator(target, cfg, salt),
                                           runners=runners)
