@@ -26,7 +26,8 @@
 # ENGINE_BUDGET seconds of measuring, ~200 s in all; engine2: another configuration, ENGINE2_ARGS) -> consistency (tests/test_consistency.py -m gpu: every
 # round's accepted count equals the drafter's teacher-forced prediction, graphs and resident paths, float32) -> verifyattn
 # (bench_verify_attention.py: one layer's attention at N verify rows against one row, per kernel, 8B shapes) -> explain (after
-# peer: explain_turns.py on its run folders, engine tau against teacher-forced tau per turn). Also: random (random weights, speed only), speculative
+# peer: explain_turns.py on its run folders, engine tau against teacher-forced tau per turn) -> peersweep (after peer:
+# ours at each of PEER_VARIANTS' settings against the same peer, its checkpoints and measurements reused). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
 # reference: trains the DeepSeek-V3-architecture reference target (seed 0) into /tmp/ref for REF_MINUTES;
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
@@ -50,6 +51,14 @@ step() { local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+peer() { local name=$1 flags=$2 limit=$3  # bench_peer.py: speculators' trainer and ours (its folder `name`, extra `flags`)
+  local site=${PEER_SITE-/tmp/peer-site}
+  [ -z "$site" ] || [ -d "$site" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$site"; done
+  step peer "$limit" env PYTHONPATH="${site:+$site:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
+    --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
+    --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" ${PEER_NGRAM---ngram} --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
+    --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} $flags" \
+    --ours-name "$name" --out "$OUT/$name-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json"; }  # partial while cut: bench_peer.py
 for s in $STEPS; do case $s in
   reference) step reference 200 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
                --out /tmp/ref --max_minutes "${REF_MINUTES:-2.5}" --max_steps "${REF_STEPS:-100000}" --batch_size 32 --lr 1.5e-3 --max_val_tokens 100000
@@ -107,14 +116,12 @@ for s in $STEPS; do case $s in
              # PEER_OURS: flags for our side only (e.g. --train.batch_tokens 8192 with PEER_OURS_NAME=ours8k: its own folder)
              # PEER_SEEDS: e.g. 0,1,2 (warm: ~150 s a seed after the first; or one call a seed, then bench_peer.py --merge)
              # PEER_PROMPTS: MT-Bench questions (16; 80 = all, 160 turns); PEER_NGRAM= (empty) leaves n-gram out
-             SITE=${PEER_SITE-/tmp/peer-site}
-             [ -z "$SITE" ] || [ -d "$SITE" ] || for w in .whl/peer/*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
-             step peer "${PEER_LIMIT:-450}" env PYTHONPATH="${SITE:+$SITE:}$PYTHONPATH" python3 benchmarks/bench_peer.py \
-               --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
-               --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" ${PEER_NGRAM---ngram} --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
-               --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} ${PEER_OURS:-}" \
-               --ours-name "${PEER_OURS_NAME:-ours}" \
-               --out "$OUT/${PEER_OURS_NAME:-ours}-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json" ;;  # partial while cut: bench_peer.py
+             peer "${PEER_OURS_NAME:-ours}" "${PEER_OURS:-}" "${PEER_LIMIT:-450}" ;;
+  peersweep) # ours at other settings against the peer step's checkpoints and measurements (same seeds: the peer is reused,
+             # ~160 s a variant warm): PEER_VARIANTS="name=flags;name=flags", e.g.
+             # "minlr0=--train.min_lr_ratio 0;lr5=--train.lr 0.005" (each its own folder and -bench_peer.json)
+             IFS=';' read -ra VS <<< "${PEER_VARIANTS:-}"
+             for v in "${VS[@]}"; do peer "${v%%=*}" "${v#*=}" "${SWEEP_LIMIT:-240}"; done ;;
   explain)   # benchmarks/explain_turns.py on the peer step's evaluated run folders: each turn's engine tau beside the drafter's
              # teacher-forced tau on the same tokens, in float32 and in the recipe's dtype (a turn the decoding path lost, or the
              # drafter's blind spot; e.g. MT-Bench question 137, where seed-0 drafters drafted almost nothing, fourteenth session)
