@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -198,6 +199,9 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str, compile_f
     t0 = time.time()
     trainer = Trainer(model, cfg, loader, None)
     trainer.run_training()
+    if (out_dir / "interrupted").exists():  # its signal handler saved a checkpoint there and returned as if done
+        raise SystemExit(f"bench_peer: seed {seed}: speculators' training was interrupted by a signal after "
+                         f"{trainer.global_step} steps; {out_dir} is not marked complete (a rerun trains it again)")
     # Its epoch checkpoints are rounded to bf16 (Checkpointer.save_checkpoint); the drafter it
     # trained is the float32 model in memory, written here with its own save_pretrained.
     model.save_pretrained(str(out_dir / "final"))
@@ -233,6 +237,7 @@ def trained_peer(args, recipe, seed: int, out_dir: Path) -> dict:
             return trained
         print(f"[peer] seed {seed}: speculators' checkpoint {out_dir / 'final'} was trained with other settings; "
               "training again", flush=True)
+    shutil.rmtree(out_dir, ignore_errors=True)  # no epoch or interrupt checkpoint of an earlier training stays beside the new one
     return train_peer(args, recipe, seed, out_dir)
 
 

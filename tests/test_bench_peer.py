@@ -272,5 +272,29 @@ def test_the_peers_checkpoint_is_reused_only_at_the_same_setting(tmp_path, monke
                                                   "setting": bench_peer.peer_setting(args, two)})
     assert bench_peer.trained_peer(args, two, 0, out)["steps"] == 7 and trainings == []      # reused
     assert bench_peer.trained_peer(args, Recipe(train=TrainConfig(epochs=4)), 0, out) == {"trained": 4}
+    assert not out.exists()  # the older training's files went before the new one
+    (out / "final").mkdir(parents=True)
+    atomic_write_json(out / bench_peer.TRAINED, {"defaults": bench_peer.PEER_DEFAULTS, "steps": 7,
+                                                  "setting": bench_peer.peer_setting(args, two)})
     atomic_write_json(tmp_path / "base" / "capture" / "manifest.json", {"status": "complete", "fingerprint": "cap-2"})
     assert bench_peer.trained_peer(args, two, 0, out) == {"trained": 2} and trainings == [4, 2]  # other data
+
+
+def test_a_signal_during_the_peers_training_marks_nothing_complete(tmp_path, monkeypatch):
+    """speculators' trainer catches SIGTERM (a device call's `timeout`), saves an `interrupted`
+    checkpoint and returns as if done: bench_peer stops there with a one-line error, and writes
+    neither the peer's final checkpoint nor its trained.json (a rerun must not reuse a partial peer)."""
+    import signal
+    import tempfile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the smoke run's folder (mkdtemp) under tmp_path
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import bench_peer
+    from speculators.train.trainer import Trainer
+
+    monkeypatch.setattr(Trainer, "train_epoch", lambda self, epoch: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(SystemExit, match="speculators' training was interrupted by a signal after 0 steps"):
+        bench_peer.main(["--smoke", "--out", str(tmp_path / "r.json")])
+    assert list(tmp_path.rglob("interrupted")) and not list(tmp_path.rglob(bench_peer.TRAINED))
+    assert not [d for d in tmp_path.rglob("final") if d.parent.name == "speculators"]
