@@ -93,14 +93,18 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
     m = read_json(eval_dir + "/manifest.json")
     m["status"] = "running"  # as if killed after the last prompt was appended
     json.dump(m, open(eval_dir + "/manifest.json", "w"))
+    first = {r["key"]: r["prompt_ids"] for r in read_json(eval_dir + "/results.json")["prompts"]}
     lines = open(eval_dir + "/partial.jsonl").read().splitlines()
-    open(eval_dir + "/partial.jsonl", "w").write("\n".join(lines[:2]) + "\n" + lines[2][:20])  # torn last line
+    old = [json.dumps({k: v for k, v in json.loads(line).items() if k != "prompt_ids"}) for line in lines[:2]]  # older code's
+    open(eval_dir + "/partial.jsonl", "w").write("\n".join(old) + "\n" + lines[2][:20])  # torn last line
     calls = []
     real = stage.evaluate_prompt
     monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
     m2 = pipeline.run_stage("evaluate", recipe)
     assert m2["status"] == "complete" and m2["metrics"]["num_prompts"] == 5
     assert [c.rsplit(": ", 1)[-1] for c in calls] == ["prompt q2", "prompt mt", "prompt mt turn 2"]
+    # records resumed from a partial.jsonl without prompt ids get them: every record has the ids it was measured on
+    assert {r["key"]: r["prompt_ids"] for r in read_json(eval_dir + "/results.json")["prompts"]} == first
 
 
 def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):

@@ -178,11 +178,11 @@ class Evaluation:
         self.warmed.add(len(prompts))
 
     def turns(self, todo: list[tuple[str, str, Prompt]], budget: Optional[int]):
-        """Every turn at batch 1 -> (records, rendered, too_long). rendered: (prompt ids, plain output)
-        of each measured turn, for the batches; too_long: turns whose prompt does not fit the target's
+        """Every turn at batch 1 -> (records, too_long). A record holds its prompt ids and plain output
+        (the batches' prompts and lossless reference); too_long: turns whose prompt does not fit the target's
         positions with max_new_tokens (refused, counted and reported; the prompt's later turns only grow)."""
         cfg, tokenizer = self.cfg, self.target.tokenizer
-        records, rendered, too_long = [], [], []
+        records, too_long = [], []
         for n, (key, bench, p) in enumerate(todo, 1):
             answers: list[list[int]] = []
             for turn in range(min(len(p.turns), max(cfg.max_turns, 1))):
@@ -204,23 +204,25 @@ class Evaluation:
                     log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
                         f"{m} tau {fmt(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
                         f"{fmt(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
+                else:
+                    rec.setdefault("prompt_ids", ids)  # resumed from a partial.jsonl written before records kept them
                 records.append(rec)
-                rendered.append((ids, rec["plain_tokens"]))
                 answers.append(rec["plain_tokens"])
-        return records, rendered, too_long
+        return records, too_long
 
-    def batches(self, rendered: list[tuple[list[int], list[int]]]) -> list[dict]:
+    def batches(self, records: list[dict]) -> list[dict]:
         """Each batch size > 1 over consecutive turns (full batches only), every method against plain
         decoding of the same batch; the batch-1 plain outputs are the lossless reference."""
         out = []
         for B in sorted({b for b in self.cfg.batch_sizes if b > 1}):
-            for j in range(0, len(rendered) - B + 1, B):
+            for j in range(0, len(records) - B + 1, B):
                 bkey = f"batch{B}#{j // B}"
                 rec = self.done.get(bkey)
                 if rec is None:
-                    chunk = rendered[j:j + B]
-                    self.warm_up([c[0] for c in chunk])
-                    rec = {"key": bkey, **evaluate_batch(self.target, self.drafter, [c[0] for c in chunk], [c[1] for c in chunk],
+                    chunk = records[j:j + B]
+                    prompts = [r["prompt_ids"] for r in chunk]
+                    self.warm_up(prompts)
+                    rec = {"key": bkey, **evaluate_batch(self.target, self.drafter, prompts, [r["plain_tokens"] for r in chunk],
                                                          self.cfg, self.methods, self.eos, j, runners=self.runners)}
                     append_jsonl(self.partial, rec)
                     log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
@@ -263,16 +265,16 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     ev = Evaluation(target, drafter, cfg, methods, eos_token_ids(target), runners, partial, done)
     budget = prompt_budget(target, cfg, methods)
-    records, rendered, too_long = ev.turns(todo, budget)
+    records, too_long = ev.turns(todo, budget)
     if not records:
         raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
                               f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
                               "lower evaluate.max_new_tokens")
-    batch_records = ev.batches(rendered)
+    batch_records = ev.batches(records)
 
-    step_costs = measure_step_costs(target, drafter, rendered[0][0] + rendered[0][1], runners=runners,
-                                    batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(rendered)],
-                                    tree_topk=cfg.tree_topk) if cfg.step_costs and rendered else None
+    step_costs = measure_step_costs(target, drafter, records[0]["prompt_ids"] + records[0]["plain_tokens"], runners=runners,
+                                    batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(records)],
+                                    tree_topk=cfg.tree_topk) if cfg.step_costs and records else None
     summary = summarize(records, batch_records, cfg, methods)
     if step_costs:
         step_costs.update(overheads(summary, step_costs, cfg))
