@@ -348,19 +348,24 @@ def test_run_dir_lock(tmp_path, target, capsys):
 
 @pytest.mark.parametrize("key,value", [("ttt_align_topk", 1), ("ttt_target_temperature", 0.0)])
 def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypatch, key, value):
-    """A train key added after runs existed (pipeline.ADDED_KEYS) is fingerprinted only off its
-    default: the recipe serialised without it (as the code before it did) and with its default give
-    the same train fingerprint, so a complete run stays complete; setting it retrains."""
+    """A train key added after runs existed (pipeline.ADDED_KEYS) is fingerprinted only off the value
+    those runs trained at: the recipe serialised without it (as the code before it did) and with that
+    value give the same train fingerprint, so a complete run stays complete; another value retrains,
+    the key's current default too where it has changed since (ttt_target_temperature)."""
     from dataclasses import replace
 
     import draftsmith.pipeline as pl
     from draftsmith.config import parse_recipe
 
-    assert f"train.{key}" in pl.ADDED_KEYS
+    legacy = pl.ADDED_KEYS[f"train.{key}"]
     run = tmp_path / "run"
     recipe, _ = parse_recipe([str(write_recipe(tmp_path, target, run))])
+    default = getattr(recipe.train, key)
+    recipe = replace(recipe, train=replace(recipe.train, **{key: legacy}))
     fp = pl.stage_fingerprint("train", recipe, run)
     assert pl.stage_fingerprint("train", replace(recipe, train=replace(recipe.train, **{key: value})), run) != fp
+    if default != legacy:
+        assert pl.stage_fingerprint("train", replace(recipe, train=replace(recipe.train, **{key: default})), run) != fp
     real = pl.to_jsonable
 
     def older(x):  # the config as the code before the key serialised it

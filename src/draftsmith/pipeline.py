@@ -21,7 +21,6 @@ that wait. Rank 0 failing a stage stops the other ranks with its error.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import shutil
@@ -99,14 +98,10 @@ def hash_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()[:16]
 
 
-ADDED_KEYS = ("train.ttt_align_topk", "train.ttt_target_temperature")
-"""Keys added after runs existed: fingerprinted only when set off their default (the config's own)."""
-
-
-def default_of(recipe: Recipe, key: str):
-    """The default of a recipe key ("section.name": its config dataclass field), as fingerprints serialise it."""
-    section, name = key.split(".")
-    return to_jsonable(next(f.default for f in dataclasses.fields(getattr(recipe, section)) if f.name == name))
+ADDED_KEYS = {"train.ttt_align_topk": 0, "train.ttt_target_temperature": 1.0}
+"""Keys added after runs existed, each with the value those runs trained at: fingerprinted only when
+set to another value, so an older complete run stays complete, and a later change of the key's
+default retrains the runs it changes (not only the value of the config's default at the time)."""
 
 
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
@@ -116,10 +111,10 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
         m = load_manifest(stage_dir(run_dir, u))
         up[u] = output_fingerprint(m) if m and m.get("status") == "complete" else None
     cfg = {s: to_jsonable(getattr(recipe, s)) for s in sections}
-    # logging and side measurements (not the stage's output), and keys added later while at their default
+    # logging and side measurements (not the stage's output), and keys added later while at the value older runs had
     for key in (*STAGE_TABLE[stage].unfingerprinted, *ADDED_KEYS):
         section, name = key.split(".")
-        if isinstance(cfg.get(section), dict) and (key not in ADDED_KEYS or cfg[section].get(name) == default_of(recipe, key)):
+        if isinstance(cfg.get(section), dict) and (key not in ADDED_KEYS or cfg[section].get(name) == ADDED_KEYS[key]):
             cfg[section].pop(name, None)
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
