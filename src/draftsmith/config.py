@@ -190,9 +190,12 @@ class TrainConfig:
     """The distribution the drafter learns at each TTT step: the target's softmax(logits / T) over
     the draft vocab. 1: the target's own distribution (soft CE, as EAGLE-3 and speculators train);
     below 1 sharper, toward the token greedy verification accepts; 0: that token alone (hard labels).
-    Stays 1: on the CPU lab (Muon 3e-3, 630 steps) 0.5 gave MT-Bench tree tau 1.970 over three seeds
-    against 1.972, and 0 gave 1.882 against 1.859 on one with lower held-out top-1 (BENCHMARKS.md,
-    thirteenth session); not measured on a GPU."""
+    0.5 wins where the drafter nears saturation: on an H100 at the GPU recipe (peer data, 287 steps,
+    held-out top-1 0.87), MT-Bench tree tau 4.84 against 4.46 at 1 over 160 turns (one seed; 123 turns
+    won, 8 lost), so recipes/gpu.yaml sets it. The default stays 1 for drafters far from it: on the CPU
+    lab (Muon 3e-3, held-out top-1 0.3-0.5) 0.5 gave tree tau 1.970 against 1.972 over three seeds at
+    630 steps and 1.984 against 2.044 at four epochs of regenerated answers (one seed), and 0 gave
+    1.882 against 1.859 with lower held-out top-1 (BENCHMARKS.md, thirteenth and seventeenth sessions)."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
