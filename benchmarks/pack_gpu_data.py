@@ -1,5 +1,5 @@
 """Pack what the GPU benchmark needs into build/gpu (the GPU machine has no network and a 64 MiB upload):
-the first 12M training tokens of build/corpus (from `reference_target.py corpus`), its tokenizer,
+the first 12M training tokens of build/corpus (gzipped safetensors; from `reference_target.py corpus`), its tokenizer,
 ShareGPT records 12,000 to the end of the truncated file (17,671 records; gzipped JSONL: never seen by
 either reference target), MT-Bench questions and HumanEval.
 
@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from draftsmith.data.readers import ReadStats, iter_records, resolve_source  # noqa: E402
@@ -19,7 +19,8 @@ from draftsmith.data.readers import ReadStats, iter_records, resolve_source  # n
 src, out = Path("build/corpus"), Path("build/gpu")
 out.mkdir(parents=True, exist_ok=True)
 d = load_file(str(src / "tokens.safetensors"))
-save_file({"train": d["train"][:12_000_000].clone(), "val": d["val"]}, str(out / "tokens.safetensors"))
+with gzip.open(out / "tokens.safetensors.gz", "wb", compresslevel=1) as f:  # 10.6 MB, not 24: a device call carries 64 MiB
+    f.write(save({"train": d["train"][:12_000_000].clone(), "val": d["val"]}))
 meta = json.loads((src / "corpus.json").read_text())
 meta.update(train_tokens=12_000_000, note="first 12M train tokens of build/corpus")
 (out / "corpus.json").write_text(json.dumps(meta, indent=2))

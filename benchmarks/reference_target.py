@@ -119,6 +119,20 @@ def val_loss(model, tokens: torch.Tensor, seq_len: int, device, amp) -> float:
     return total / max(count, 1)
 
 
+def load_tokens(corpus_dir: Path) -> dict[str, torch.Tensor]:
+    """The corpus's token ids: tokens.safetensors, or tokens.safetensors.gz (how pack_gpu_data.py ships
+    them, 10.6 MB instead of 24: a device call carries 64 MiB with the repository)."""
+    import gzip
+
+    from safetensors.torch import load, load_file
+
+    plain = corpus_dir / "tokens.safetensors"
+    if plain.exists():
+        return load_file(str(plain))
+    with gzip.open(corpus_dir / "tokens.safetensors.gz", "rb") as f:
+        return load(f.read())
+
+
 def train(corpus_dir: str = "build/corpus", preset: str = "tiny-llama", out: str = "assets/tiny-llama-sharegpt",
           max_minutes: float = 4.0, max_steps: int = 100000, batch_size: int = 64, lr: float = 3e-3,
           warmup_steps: int = 100, device: str = "auto", seed: int = 0, save_dtype: str = "bfloat16",
@@ -126,13 +140,12 @@ def train(corpus_dir: str = "build/corpus", preset: str = "tiny-llama", out: str
     """Train the preset on the corpus until max_minutes or max_steps; save an HF model folder."""
     import shutil
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     corpus_dir = Path(corpus_dir)
-    data = load_file(str(corpus_dir / "tokens.safetensors"))
+    data = load_tokens(corpus_dir)
     meta = json.loads((corpus_dir / "corpus.json").read_text())
     seq_len = PRESETS[preset]["seq_len"]
     cfg = build_config(preset, meta["vocab_size"])
