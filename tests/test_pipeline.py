@@ -351,21 +351,17 @@ def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypat
     """A train key added after runs existed (pipeline.ADDED_KEYS) is fingerprinted only off the value
     those runs trained at: the recipe serialised without it (as the code before it did) and with that
     value give the same train fingerprint, so a complete run stays complete; another value retrains,
-    the key's current default too where it has changed since (ttt_target_temperature)."""
+    the config's default too once it differs from that value (a default changed later)."""
     from dataclasses import replace
 
     import draftsmith.pipeline as pl
     from draftsmith.config import parse_recipe
 
-    legacy = pl.ADDED_KEYS[f"train.{key}"]
     run = tmp_path / "run"
     recipe, _ = parse_recipe([str(write_recipe(tmp_path, target, run))])
-    default = getattr(recipe.train, key)
-    recipe = replace(recipe, train=replace(recipe.train, **{key: legacy}))
-    fp = pl.stage_fingerprint("train", recipe, run)
-    assert pl.stage_fingerprint("train", replace(recipe, train=replace(recipe.train, **{key: value})), run) != fp
-    if default != legacy:
-        assert pl.stage_fingerprint("train", replace(recipe, train=replace(recipe.train, **{key: default})), run) != fp
+    at = lambda v: replace(recipe, train=replace(recipe.train, **{key: v}))  # noqa: E731
+    fp = pl.stage_fingerprint("train", at(pl.ADDED_KEYS[f"train.{key}"]), run)
+    assert pl.stage_fingerprint("train", at(value), run) != fp
     real = pl.to_jsonable
 
     def older(x):  # the config as the code before the key serialised it
@@ -374,3 +370,8 @@ def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypat
 
     monkeypatch.setattr(pl, "to_jsonable", older)
     assert pl.stage_fingerprint("train", recipe, run) == fp
+    monkeypatch.setattr(pl, "to_jsonable", real)
+    # older runs had trained at `value` and the default moved away from it: the default retrains them
+    monkeypatch.setitem(pl.ADDED_KEYS, f"train.{key}", value)
+    assert pl.stage_fingerprint("train", at(value), run) == fp
+    assert pl.stage_fingerprint("train", recipe, run) != fp
