@@ -119,7 +119,7 @@ for s in $STEPS; do case $s in
              peer "${PEER_OURS_NAME:-ours}" "${PEER_OURS:-}" "${PEER_LIMIT:-450}" ;;
   peersweep) # ours at other settings against the peer step's checkpoints and measurements (same seeds: the peer is reused,
              # ~160 s a variant warm): PEER_VARIANTS="name=flags;name=flags", e.g.
-             # "minlr0=--train.min_lr_ratio 0;lr5=--train.lr 0.005" (each its own folder and -bench_peer.json)
+             # "t025=--train.ttt_target_temperature 0.25;t1=--train.ttt_target_temperature 1" (each its own folder and -bench_peer.json)
              IFS=';' read -ra VS <<< "${PEER_VARIANTS:-}"
              for v in "${VS[@]}"; do peer "${v%%=*}" "${v#*=}" "${SWEEP_LIMIT:-240}"; done ;;
   explain)   # benchmarks/explain_turns.py on the peer step's evaluated run folders: each turn's engine tau beside the drafter's
