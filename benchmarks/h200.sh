@@ -59,6 +59,13 @@ peer() { local name=$1 flags=$2 limit=$3  # bench_peer.py: speculators' trainer 
     --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" ${PEER_NGRAM---ngram} --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
     --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} $flags" \
     --ours-name "$name" --out "$OUT/$name-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json"; }  # partial while cut: bench_peer.py
+# A new checkout lacks the gitignored inputs: one line and no step run, not a traceback per step
+python3 -c "import jsonargparse" 2>/dev/null || { echo "h200.sh: jsonargparse is not importable and .whl/site is" \
+  "missing: make .whl as the comment above says, then carry .whl (and build/gpu)"; exit 2; }
+for s in $STEPS; do case " engine engine2 verifyattn consistency gputests fasttests residenttests write train kimi " in
+  *" $s "*) ;; *) [ -f build/gpu/corpus.json ] || { echo "h200.sh: step $s needs build/gpu, which is missing: run" \
+    "python benchmarks/reference_target.py corpus, then python benchmarks/pack_gpu_data.py, and carry build/gpu"; exit 2; } ;;
+esac; done
 for s in $STEPS; do case $s in
   reference) step reference 200 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
                --out /tmp/ref --max_minutes "${REF_MINUTES:-2.5}" --max_steps "${REF_STEPS:-100000}" --batch_size 32 --lr 1.5e-3 --max_val_tokens 100000
