@@ -196,9 +196,10 @@ class TrainConfig:
     lab (Muon 3e-3, held-out top-1 0.3-0.5) 0.5 gave tree tau 1.970 against 1.972 over three seeds at
     630 steps and 1.984 against 2.044 at four epochs of regenerated answers (one seed), and 0 gave
     1.882 against 1.859 with lower held-out top-1 (BENCHMARKS.md, thirteenth and seventeenth sessions).
-    Every figure here is greedy: for sampled serving, where acceptance is the overlap of the drafter's
-    law with the target's at the serving temperature, a drafter sharper than that law may accept less
-    (not measured)."""
+    Every figure above is greedy. Sampled serving accepts by the overlap of the drafter's law with the
+    target's at the serving temperature: on the CPU lab at evaluate.temperature 1, 0.5 gave chain tau
+    1.330 against 1.348 at 1 (one run, 40 turns; BENCHMARKS.md, eighteenth session); near saturation,
+    on the GPU, not measured."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
