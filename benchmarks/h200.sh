@@ -33,7 +33,7 @@
 # with REF_STEPS (e.g. 260, below what 2 minutes reach) the step count and schedule are fixed, so every run
 # trains the same target (the time limit only caps it). Without it the time cut varies the steps (264/266/271);
 # random: the same architecture with random weights (speed figures only). Needs build/gpu
-# (python benchmarks/pack_gpu_data.py). Each step is time-bounded and leaves its log and JSON
+# (bash benchmarks/gpu_inputs.sh makes it and .whl in a new checkout). Each step is time-bounded and leaves its log and JSON
 # under $OUT, so a failed or overrun step keeps the others' figures.
 set -u
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
@@ -44,10 +44,9 @@ step() { local name=$1 limit=$2; shift 2; local t0; t0=$(date +%s)
   timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1; local rc=$?
   echo "[$name] rc=$rc $(( $(date +%s) - t0 ))s"; grep -v "it/s\]" "$OUT/$name.log" | tail -n 4; }
 # The device has no network: the packages the GPU image lacks travel unpacked in .whl/site (carry
-# .whl; made by `pip download -d .whl --python-version 3.12 --only-binary=:all: --platform
-# manylinux2014_x86_64 "jsonargparse[signatures]" ijson` and unzipping jsonargparse, docstring_parser
-# and ijson into .whl/site; typeshed_client, 5 MB the CLI does without, is left out so that .whl, build/gpu
-# and the tree fit the 64 MiB a call carries). .whl/peer holds speculators' wheels for the `peer` step.
+# .whl; benchmarks/gpu_inputs.sh makes it: jsonargparse, docstring_parser and ijson; typeshed_client,
+# 5 MB the CLI does without, is left out so that .whl, build/gpu and the tree fit the 64 MiB a call
+# carries). .whl/peer holds speculators' wheels for the `peer` step.
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -61,10 +60,10 @@ peer() { local name=$1 flags=$2 limit=$3  # bench_peer.py: speculators' trainer 
     --ours-name "$name" --out "$OUT/$name-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json"; }  # partial while cut: bench_peer.py
 # A new checkout lacks the gitignored inputs: one line and no step run, not a traceback per step
 python3 -c "import jsonargparse" 2>/dev/null || { echo "h200.sh: jsonargparse is not importable and .whl/site is" \
-  "missing: make .whl as the comment above says, then carry .whl (and build/gpu)"; exit 2; }
+  "missing: run bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"; exit 2; }
 for s in $STEPS; do case " engine engine2 verifyattn consistency gputests fasttests residenttests write train kimi " in
   *" $s "*) ;; *) [ -f build/gpu/corpus.json ] || { echo "h200.sh: step $s needs build/gpu, which is missing: run" \
-    "python benchmarks/reference_target.py corpus, then python benchmarks/pack_gpu_data.py, and carry build/gpu"; exit 2; } ;;
+    "bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"; exit 2; } ;;
 esac; done
 for s in $STEPS; do case $s in
   reference) step reference 200 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
