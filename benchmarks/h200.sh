@@ -120,7 +120,8 @@ for s in $STEPS; do case $s in
              # imports: its wheels travel in .whl/peer (cp312, listed in BENCHMARKS.md) and are unpacked into PEER_SITE
              # (PEER_SITE= empty: the installed packages, as on this repository's CPU machine)
              # PEER_OURS: flags for our side only (e.g. --train.batch_tokens 8192 with PEER_OURS_NAME=ours8k: its own folder)
-             # PEER_SEEDS: e.g. 0,1,2 (warm: ~150 s a seed after the first; or one call a seed, then bench_peer.py --merge)
+             # PEER_SEEDS: e.g. 0,1,2 (or one call a seed, then bench_peer.py --merge; on an H100 with PEER_PROMPTS=80
+             # the first seed took 456 s after call A, the next 325 s: one seed a call)
              # PEER_PROMPTS: MT-Bench questions (16; 80 = all, 160 turns); PEER_NGRAM= (empty) leaves n-gram out
              peer "${PEER_OURS_NAME:-ours}" "${PEER_OURS:-}" "${PEER_LIMIT:-450}" ;;
   peersweep) # ours at other settings against the peer step's checkpoints and measurements (same seeds: the peer is reused,
