@@ -416,6 +416,11 @@ def merge(files: list[str], out: str | None) -> int:
             if r.get(k) != first.get(k):
                 raise SystemExit(f"bench_peer --merge: {f}: {k} {r.get(k)!r} differs from {files[0]}'s "
                                  f"{first.get(k)!r}; merge runs of the same settings only")
+    captures = {f: {row.get("setting", {}).get("capture") for row in r["theirs"]} - {None} for f, r in zip(files, results)}
+    if len(set().union(*captures.values())) > 1:  # another target (retrained on another card) or other data
+        raise SystemExit("bench_peer --merge: the peer trained on different captures (" + "; ".join(
+            f"{f}: {', '.join(sorted(c))}" for f, c in captures.items() if c) + "); seeds on different data or targets "
+            "stand beside each other: merge the seeds of one capture only")
     seeds = [row["seed"] for r in results for row in r["ours"]]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"bench_peer --merge: seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} in more "

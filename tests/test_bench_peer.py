@@ -88,17 +88,19 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
 
 def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
     """bench_peer --merge: seeds measured in separate calls become one result whose means and ratio
-    are over all their rows; files of other settings, one seed twice, a missing file or another
-    JSON are refused in one line naming the file."""
+    are over all their rows; files of other settings or of another capture (the peer's setting: a
+    target trained again), one seed twice, a missing file or another JSON are refused in one line
+    naming the file."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_peer
 
-    def result(seed: int, ours: float, theirs: float, flags=("--train.lr", "0.003")) -> Path:
+    def result(seed: int, ours: float, theirs: float, flags=("--train.lr", "0.003"), capture="c0") -> Path:
         row = lambda tau: {"seed": seed, "tau_tree": tau, "tau_sim": tau + 0.1, "heldout_acc": [0.8, 0.7]}  # noqa: E731
         r = {"recipe": "r.yaml", "ours_flags": list(flags), "depth": 2, "sim_depth": 2, "eval_prompts": 16,
-             "benchmark": "mt.jsonl", "peer_tau_ratio_of": "tau_tree", "ours": [row(ours)], "theirs": [row(theirs)],
+             "benchmark": "mt.jsonl", "peer_tau_ratio_of": "tau_tree", "ours": [row(ours)],
+             "theirs": [row(theirs) | {"setting": {"capture": capture, "epochs": 4}}],
              "phases_s": {str(seed): {"peer_trained": 1.0}}}
-        p = tmp_path / f"s{seed}-{len(flags)}.json"
+        p = tmp_path / f"s{seed}-{len(flags)}-{capture}.json"
         p.write_text(json.dumps(r))
         return str(p)
 
@@ -111,8 +113,11 @@ def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="ours_flags .* differs"):
         bench_peer.main(["--merge", result(0, 4.5, 4.0), result(2, 4.3, 4.4, flags=()), "--out", str(out)])
     with pytest.raises(SystemExit, match=r"seed\(s\) \[0\] in more than one"):
-        bench_peer.main(["--merge", result(0, 4.5, 4.0), str(tmp_path / "s1-2.json"), result(0, 4.1, 4.0),
+        bench_peer.main(["--merge", result(0, 4.5, 4.0), str(tmp_path / "s1-2-c0.json"), result(0, 4.1, 4.0),
                          "--out", str(tmp_path / "dup.json")])
+    assert not (tmp_path / "dup.json").exists()
+    with pytest.raises(SystemExit, match=r"different captures \(.*s0-2-c0.json: c0; .*s1-2-c1.json: c1\)"):
+        bench_peer.main(["--merge", result(0, 4.5, 4.0), result(1, 4.3, 4.4, capture="c1"), "--out", str(tmp_path / "dup.json")])
     assert not (tmp_path / "dup.json").exists()
     (tmp_path / "other.json").write_text(json.dumps({"recipe": "r.yaml"}))
     for bad, why in (("missing.json", "file not found"), ("other.json", "not a bench_peer result")):
