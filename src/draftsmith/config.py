@@ -195,7 +195,9 @@ class TrainConfig:
     won, 8 lost), so recipes/gpu.yaml sets it. The default stays 1 for drafters far from it: on the CPU
     lab (Muon 3e-3, held-out top-1 0.3-0.5) 0.5 gave tree tau 1.970 against 1.972 over three seeds at
     630 steps and 1.984 against 2.044 at four epochs of regenerated answers (one seed), and 0 gave
-    1.882 against 1.859 with lower held-out top-1 (BENCHMARKS.md, thirteenth and seventeenth sessions).
+    1.882 against 1.859 with lower held-out top-1 (BENCHMARKS.md, thirteenth and seventeenth sessions);
+    at eight epochs there the gap grows (2.273 against 2.510: the sharper target fits the training
+    answers faster and generalizes worse; eighteenth session).
     Every figure above is greedy. Sampled serving accepts by the overlap of the drafter's law with the
     target's at the serving temperature: on the CPU lab at evaluate.temperature 1, 0.5 gave chain tau
     1.330 against 1.348 at 1 (one run, 40 turns; BENCHMARKS.md, eighteenth session); near saturation,
