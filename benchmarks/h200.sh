@@ -59,11 +59,11 @@ peer() { local name=$1 flags=$2 limit=$3  # bench_peer.py: speculators' trainer 
     --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} $flags" \
     --ours-name "$name" --out "$OUT/$name-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json"; }  # partial while cut: bench_peer.py
 # A new checkout lacks the gitignored inputs: one line and no step run, not a traceback per step
-python3 -c "import jsonargparse" 2>/dev/null || { echo "h200.sh: jsonargparse is not importable and .whl/site is" \
-  "missing: run bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"; exit 2; }
+fix="run bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"
+python3 -c "import jsonargparse" 2>/dev/null || { echo "h200.sh: jsonargparse is not importable and .whl/site is missing: $fix"
+  exit 2; }
 for s in $STEPS; do case " engine engine2 verifyattn consistency gputests fasttests residenttests write train kimi " in
-  *" $s "*) ;; *) [ -f build/gpu/corpus.json ] || { echo "h200.sh: step $s needs build/gpu, which is missing: run" \
-    "bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"; exit 2; } ;;
+  *" $s "*) ;; *) [ -f build/gpu/corpus.json ] || { echo "h200.sh: step $s needs build/gpu, which is missing: $fix"; exit 2; } ;;
 esac; done
 for s in $STEPS; do case $s in
   reference) step reference 200 python3 benchmarks/reference_target.py train --corpus_dir build/gpu --preset dsv3 \
