@@ -36,7 +36,7 @@ import torch
 
 from draftsmith import pipeline
 from draftsmith.artifacts import (DraftsmithError, atomic_write_json, code_fingerprint, read_json, require_complete, stage_dir,
-                                  verify_shards)
+                                  to_jsonable, verify_shards)
 from draftsmith.config import parse_recipe
 
 # name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is: since lr 3e-3
@@ -176,24 +176,23 @@ def eval_flags(args, ngram: bool = False) -> list[str]:
 
 def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[str], ngram: bool = False) -> dict:
     """The engine's tau (chain, tree; n-gram when asked) on MT-Bench. A complete evaluation of this
-    drafter on the same prompts and settings by the same draftsmith code is reused (one with n-gram
-    as well counts); after a change to the code it is measured again (the stage's own fingerprint,
+    drafter with the same evaluate config (every key: prompts, temperature, tree shape, ...) by the
+    same draftsmith code is reused (one with n-gram as well counts); after a change to the code it is measured again (the stage's own fingerprint,
     config and inputs, would reuse it: the run is forced)."""
     ev, complete = None, False
+    want = recipe_for(recipe_path, run_dir, seed, flags, eval_flags(args, ngram))
     m_path = stage_dir(run_dir, "evaluate") / "manifest.json"
     if m_path.exists() and (stage_dir(run_dir, "train") / "manifest.json").exists():
         old = read_json(m_path)
         c, complete = old.get("config", {}), old.get("status") == "complete"
-        same = (complete and c.get("max_prompts") == args.eval_prompts
-                and c.get("max_new_tokens") == args.max_new_tokens and c.get("draft_steps") == args.draft_steps
-                and c.get("tree_depth") == args.draft_steps and c.get("benchmarks") == [args.benchmark]
-                and {"eagle3_chain", "eagle3_tree"} <= set(c.get("methods", []))
+        cfg = to_jsonable(want.evaluate)
+        same = (complete and all(c.get(k) == v for k, v in cfg.items() if k != "methods")  # temperature, tree shape, ...
+                and set(cfg["methods"]) <= set(c.get("methods", []))  # one with n-gram as well counts
                 and old.get("inputs", {}).get("train") == read_json(stage_dir(run_dir, "train") / "manifest.json")["fingerprint"]
                 and old.get("versions", {}).get("draftsmith_code") == code_fingerprint())
-        ev = old if same and (not ngram or "ngram" in c.get("methods", [])) else None
+        ev = old if same else None
     if ev is None:
-        ev = pipeline.run_stage("evaluate", recipe_for(recipe_path, run_dir, seed, flags, eval_flags(args, ngram)),
-                                force=complete)
+        ev = pipeline.run_stage("evaluate", want, force=complete)
     methods, eagle = ev["metrics"]["methods"], ("eagle3_chain", "eagle3_tree")
     prompts = read_json(stage_dir(run_dir, "evaluate") / "results.json")["prompts"]
     out = {"tau_chain": methods["eagle3_chain"]["tau"], "tau_tree": methods["eagle3_tree"]["tau"],

@@ -124,8 +124,9 @@ for s in $STEPS; do case $s in
              # the first seed took 456 s after call A, the next 325 s: one seed a call)
              # PEER_PROMPTS: MT-Bench questions (16; 80 = all, 160 turns); PEER_NGRAM= (empty) leaves n-gram out
              peer "${PEER_OURS_NAME:-ours}" "${PEER_OURS:-}" "${PEER_LIMIT:-450}" ;;
-  peersweep) # ours at other settings against the peer step's checkpoints and measurements (same seeds: the peer is reused,
-             # ~160 s a variant warm): PEER_VARIANTS="name=flags;name=flags", e.g.
+  peersweep) # ours at other settings against the peer step's checkpoints (same seeds) and measurements, reused when the
+             # variant's evaluate settings are the peer's, measured again when not (e.g. --evaluate.temperature 1): on an H100
+             # at PEER_PROMPTS=80 a training variant took 164 s warm; PEER_VARIANTS="name=flags;name=flags", e.g.
              # "t025=--train.ttt_target_temperature 0.25;t1=--train.ttt_target_temperature 1" (each its own folder and -bench_peer.json)
              IFS=';' read -ra VS <<< "${PEER_VARIANTS:-}"
              for v in "${VS[@]}"; do peer "${v%%=*}" "${v#*=}" "${SWEEP_LIMIT:-240}"; done ;;

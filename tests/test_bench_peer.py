@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,10 +48,12 @@ def test_bench_ablation_smoke(tmp_path):
         assert len(run["heldout_acc"]) == 3 and run["steps"] >= 1 and run["epochs_started"] == 1
 
 
-def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkeypatch):
+def test_engine_taus_reuses_only_an_evaluation_by_the_same_code_and_config(tmp_path, monkeypatch):
     """bench_ablation.engine_taus reuses a complete evaluation of the same drafter and settings only
-    when the same draftsmith code wrote it; one by other code is measured again, forced (the
-    evaluate stage's own fingerprint, config and inputs, would call it complete)."""
+    when the same draftsmith code wrote it with the same evaluate config; one by other code is
+    measured again, forced (the evaluate stage's own fingerprint, config and inputs, would call it
+    complete), and so is one at another temperature (a sampled variant once reused the peer's greedy
+    figures: H100, 2026-12-06)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_ablation as ab
     from draftsmith.artifacts import atomic_write_json, code_fingerprint
@@ -62,15 +65,17 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
 
     def evaluation(code: str) -> dict:
         return {"status": "complete", "inputs": {"train": "fp-train"}, "versions": {"draftsmith_code": code},
-                "config": {"max_prompts": 20, "max_new_tokens": 96, "draft_steps": 5, "tree_depth": 5,
-                           "benchmarks": ["mtbench"], "methods": ["eagle3_chain", "eagle3_tree"]},
+                "config": {**config, "methods": ["eagle3_chain", "eagle3_tree", "ngram"]},
                 "metrics": {"methods": methods, "accept_rate_per_position": [0.5]}}
 
+    config = {"max_prompts": 20, "max_new_tokens": 96, "draft_steps": 5, "tree_depth": 5, "benchmarks": ["mtbench"],
+              "temperature": 0.0}
+    want = {**config, "methods": ["eagle3_chain", "eagle3_tree"]}  # the evaluate config the flags give
     calls = []
     fresh = {**evaluation(code_fingerprint()), "metrics": {"methods": {m: {"tau": 2.0, "speedup": 1.4} for m in methods},
                                                            "accept_rate_per_position": [0.6]}}
     monkeypatch.setattr(ab.pipeline, "run_stage", lambda stage, recipe, force=False: calls.append((stage, force)) or fresh)
-    monkeypatch.setattr(ab, "recipe_for", lambda *a, **k: None)
+    monkeypatch.setattr(ab, "recipe_for", lambda *a, **k: SimpleNamespace(evaluate=dict(want)))
     atomic_write_json(run / "eval" / "manifest.json", evaluation(code_fingerprint()))
     turns = [("mtbench#0", (10, 5), (12, 4)), ("mtbench#0/turn2", (9, 3), (9, 3))]
     atomic_write_json(run / "eval" / "results.json", {"prompts": [
@@ -84,6 +89,9 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code(tmp_path, monkey
     assert row["identical_to_plain"] == {"eagle3_chain": 1, "eagle3_tree": 2}  # the second chain answer left plain's
     atomic_write_json(run / "eval" / "manifest.json", evaluation("older-code"))
     assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls == [("evaluate", True)]
+    atomic_write_json(run / "eval" / "manifest.json", evaluation(code_fingerprint()))
+    want["temperature"] = 1.0
+    assert ab.engine_taus(args, "r.yaml", run, 0, [])["tau_tree"] == 2.0 and calls[1:] == [("evaluate", True)]
 
 
 def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
