@@ -190,17 +190,18 @@ class TrainConfig:
     """The distribution the drafter learns at each TTT step: the target's softmax(logits / T) over
     the draft vocab. 1: the target's own distribution (soft CE, as EAGLE-3 and speculators train);
     below 1 sharper, toward the token greedy verification accepts; 0: that token alone (hard labels).
-    0.5 wins at the GPU recipe: on an H100 (peer data, 287 steps, held-out top-1 0.87), MT-Bench tree
-    tau 4.84 against 4.46 at 1 over 160 turns (one seed; 123 turns won, 8 lost), so recipes/gpu.yaml
-    sets it. The default stays 1, because on the CPU lab (Muon 3e-3, held-out top-1 0.3-0.6) 0.5 does
+    0.5 wins greedy decoding at the GPU recipe: on an H100 (peer data, 287 steps, held-out top-1 0.87),
+    MT-Bench tree tau 4.84 against 4.46 at 1 over 160 turns (one seed; 123 turns won, 8 lost), so the
+    benchmark recipe (greedy) sets it. On the CPU lab (Muon 3e-3, held-out top-1 0.3-0.6) 0.5 does
     not win: tree tau 1.970 against 1.972 over three seeds at 630 steps, 1.984 against 2.044 at four
     epochs of regenerated answers and 2.273 against 2.510 at eight (one seed each: the sharper target
     fits the training answers faster and generalizes worse); 0 gave 1.882 against 1.859 with lower
     held-out top-1 (BENCHMARKS.md, thirteenth, seventeenth and eighteenth sessions).
     Every figure above is greedy. Sampled serving accepts by the overlap of the drafter's law with the
-    target's at the serving temperature: on the CPU lab at evaluate.temperature 1, 0.5 gave chain tau
-    1.330 against 1.348 at 1 (one run, 40 turns; BENCHMARKS.md, eighteenth session); on the GPU not
-    measured."""
+    target's at the serving temperature, and there 0.5 loses: on an H100 at evaluate.temperature 1,
+    MT-Bench chain tau 1.580 against 2.130 at 1 (160 turns, one seed; BENCHMARKS.md, nineteenth
+    session; CPU lab 1.330 against 1.348). So the default, and recipes/gpu.yaml, stay at 1: set 0.5
+    only for a server that decodes greedily."""
     epochs: float = 1.0
     """Whole passes over the training samples (fractions allowed): the steps of each epoch are
     counted from its batch plan, and a step never spans two epochs (an epoch's last step takes
