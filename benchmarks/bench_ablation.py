@@ -94,7 +94,8 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
                        batch_tokens: int = 4096) -> dict:
     """Teacher-forced acceptance per draft position 0..depth-1 on every sample of a capture
     folder: argmax of the drafter == argmax of the target (restricted to the draft vocab), the
-    training metric, here on conversations the drafter never saw. Returns {acc, weight, loss}.
+    training metric, here on conversations the drafter never saw; and speculative sampling's
+    expected acceptance at temperature 1 (ttt.py). Returns {acc, chain, accept_t1, weight, samples}.
     The samples are packed into rows of one shape, [1, max(batch_tokens, max_length)], as training
     packs them (the same figures as one sample a row): on a GPU the TTT attention (flex, compiled
     for static shapes) then compiles once, where rows of each bin's own length compiled again for
@@ -112,25 +113,29 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head = lm_head[draft_ids(drafter.d2t)].float().to(dev)
     drafter = drafter.float().eval().to(dev)
-    correct, weight, chain = (torch.zeros(depth, dtype=torch.float64) for _ in range(3))
+    correct, weight, chain, accept = (torch.zeros(depth, dtype=torch.float64) for _ in range(4))
     row = max(batch_tokens, max_length)
     for ids in epoch_plan(index.lengths, row, seed=0, epoch=0, layout="packed"):
         tokens, mask, aux, fin, pos, docs = (t.to(dev) for t in index.batch(ids, packed_tokens=row).tensors())
-        out = ttt_loss(drafter, tokens, mask, aux.float(), fin.float(), head, depth, 1.0, position_ids=pos, doc_ids=docs)
+        out = ttt_loss(drafter, tokens, mask, aux.float(), fin.float(), head, depth, 1.0, position_ids=pos, doc_ids=docs,
+                       sample_temperature=1.0)
         correct += out.correct.double().cpu()
+        accept += out.accept.double().cpu()
         weight += out.weight.double().cpu()
         chain += out.chain.double().cpu()
     return {"acc": (correct / weight.clamp_min(1)).tolist(), "chain": (chain / weight.clamp_min(1)).tolist(),
-            "weight": weight.tolist(), "samples": len(index)}
+            "accept_t1": (accept / weight.clamp_min(1)).tolist(), "weight": weight.tolist(), "samples": len(index)}
 
 
 def heldout_row(ho: dict, sim_depth: int) -> dict:
     """A result row's held-out figures: accuracy per position and its simulated tau (the product
     of the accuracies); chain acceptance per position (the rows whose drafts all matched up to it)
     and tau_tf = 1 + its sum over sim_depth positions, the teacher-forced tau of a chain (exact on
-    the target's own text, and fair to training that gives up rows past a miss: train.ttt_align_topk)."""
+    the target's own text, and fair to training that gives up rows past a miss: train.ttt_align_topk);
+    speculative sampling's expected acceptance at temperature 1 per position and its simulated tau."""
     return {"heldout_acc": ho["acc"], "tau_sim": simulated_tau(ho["acc"][:sim_depth]),
-            "heldout_chain": ho["chain"], "tau_tf": 1 + sum(ho["chain"][:sim_depth])}
+            "heldout_chain": ho["chain"], "tau_tf": 1 + sum(ho["chain"][:sim_depth]),
+            "heldout_accept_t1": ho["accept_t1"], "tau_sim_sampled_t1": simulated_tau(ho["accept_t1"][:sim_depth])}
 
 
 def simulated_tau(acc: list[float]) -> float:
@@ -242,10 +247,10 @@ def measure(args, run_dir: Path, recipe, seed: int, flags: list[str], ngram: boo
 
 
 def mean_row(rows: list[dict]) -> dict:
-    keys = [k for k in ("tau_sim", "tau_tf", "tau_chain", "tau_tree", "speedup_chain", "speedup_tree", "ngram_tau",
+    keys = [k for k in ("tau_sim", "tau_tf", "tau_sim_sampled_t1", "tau_chain", "tau_tree", "speedup_chain", "speedup_tree", "ngram_tau",
                         "ngram_speedup", "train_loss") if all(k in r for r in rows)]
     out = {k: sum(r[k] for r in rows) / len(rows) for k in keys}
-    for k in ("heldout_acc", "heldout_chain"):
+    for k in ("heldout_acc", "heldout_chain", "heldout_accept_t1"):
         if all(k in r for r in rows):
             out[k] = [sum(r[k][i] for r in rows) / len(rows) for i in range(len(rows[0][k]))]
     return out

@@ -347,7 +347,7 @@ def keep_partial(result: dict, out: str | None, where: str, seed: int, side: str
     """A side's row as soon as it is measured: printed, and the result so far written to `out` with
     `partial` saying how far it got, so that a run cut at a device call's limit keeps what it measured
     (the final write replaces it; --merge refuses a partial file)."""
-    taus = " ".join(f"{k} {row[k]:.3f}" for k in ("tau_sim", "tau_tf", "tau_chain", "tau_tree", "ngram_tau") if k in row)
+    taus = " ".join(f"{k} {row[k]:.3f}" for k in ("tau_sim", "tau_tf", "tau_sim_sampled_t1", "tau_chain", "tau_tree", "ngram_tau") if k in row)
     print(f"[peer] seed {seed}: {side} acc {' '.join(f'{a:.3f}' for a in row['heldout_acc'])} {taus}", flush=True)
     result["partial"] = where
     if out:

@@ -261,6 +261,11 @@ def test_engine_far_below_its_simulated_tau_is_a_finding(tmp_path):
             "engine": {"prompts": 16, "depth": 5, "tau_chain": 3.4}}  # 1 + .8 + .64 + .512 + .41 + .328 = 3.69 at depth 5
     _set(run, "train", metrics={"heldout": held})
     assert status.collect(run)["findings"] == []
+    facts = {f["label"]: f["value"] for f in status.collect(run)["discoveries"]}
+    assert "held-out simulated τ of speculative sampling (best drafter)" not in facts  # a run from before the figure
+    _set(run, "train", metrics={"heldout": {**held, "best_tau_sampled": 2.345, "sample_temperature": 0.7}})
+    facts = {f["label"]: f["value"] for f in status.collect(run)["discoveries"]}
+    assert facts["held-out simulated τ of speculative sampling (best drafter)"] == "2.35 at temperature 0.7"
     held["engine"]["tau_chain"] = 1.5
     _set(run, "train", metrics={"heldout": held})
     (found,) = status.collect(run)["findings"]

@@ -341,6 +341,9 @@ def test_heldout_eval_keeps_best(tmp_path, target_dir):
     assert [e["step"] for e in evals] == [4, 8, 12]
     assert all(e["tau"] == pytest.approx(simulated_tau(e["acc"])) for e in evals)
     assert all(e["train_tau"] == pytest.approx(simulated_tau(e["train_acc"])) for e in evals)
+    # speculative sampling's expected acceptance per position, at 1 while evaluate is greedy
+    assert all(e["sample_temperature"] == 1.0 and len(e["accept"]) == 3 and all(0 < a <= 1 for a in e["accept"])
+               and e["tau_sampled"] == pytest.approx(simulated_tau(e["accept"])) for e in evals)
     steps = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
     assert [e["tokens_seen"] for e in evals] == [sum(r["tokens"] for r in steps[:s]) for s in (4, 8, 12)]
     best = read_json(train / "best" / "best.json")
@@ -356,6 +359,8 @@ def test_heldout_eval_keeps_best(tmp_path, target_dir):
     held = m["metrics"]["heldout"]
     assert held["samples"] == 3 and held["conversations"] == 3 and held["evaluations"] == 3
     assert (held["best_step"], held["best_tau_simulated"]) == (best["step"], best["tau_simulated"])
+    assert (held["best_tau_sampled"], held["sample_temperature"]) == (best["tau_sampled"], 1.0)
+    assert best["tau_sampled"] == next(e["tau_sampled"] for e in evals if e["step"] == best["step"])
     assert held["last_tau_simulated"] == evals[-1]["tau"] and held["still_improving"] == (best["step"] == 12)
     assert held["overfitting"] is None  # the toy language generalizes
     assert (train / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

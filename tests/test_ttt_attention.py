@@ -363,3 +363,34 @@ def test_ttt_loss_target_temperature_is_the_target_logits_scaled():
     assert not torch.allclose(soft.loss, half.loss) and not torch.allclose(half.loss, hard.loss)
     for out in (half, hard):
         assert torch.equal(out.correct, soft.correct) and torch.equal(out.chain, soft.chain)
+
+
+def test_ttt_loss_sampled_acceptance():
+    """sample_temperature S: accept[i] sums, over the weighted rows t of step i, the probability that
+    speculative sampling at S accepts the drafter's token, sum_v min(p_S, q_S) with p_S the target's
+    softmax(final[t+1+i] @ head.T / S). Golden: a drafter whose lm_head is zero drafts the uniform law,
+    so accept is sum_v min(p_S, 1/V) computed from the target alone. Its limit S -> 0 is greedy
+    acceptance (accept == correct), it does not depend on the temperature the drafter learns at, it is
+    at most the weight, and it is absent unless asked for."""
+    from draftsmith.train.ttt import ttt_loss
+
+    V, L, steps = 9, 30, 3
+    model, head, g = tiny_drafter(V, data_seed=2)
+    ids = torch.randint(0, 50, (1, L), generator=g)
+    aux, final = torch.randn(1, L, 96, generator=g, dtype=torch.float64), torch.randn(1, L, 32, generator=g, dtype=torch.float64)
+    mask = (torch.rand(1, L, generator=g) < 0.8).double()
+    run = lambda s, t=1.0: ttt_loss(model, ids, mask, aux, final, head, steps, 1.0, None, "reference", temperature=t,  # noqa: E731
+                                    sample_temperature=s)
+    assert run(0.0).accept is None
+    for s in (0.7, 1.0):
+        out = run(s)
+        assert torch.all(out.accept <= out.weight + 1e-9) and torch.all(out.accept > 0)
+        torch.testing.assert_close(out.accept, run(s, t=0.5).accept)  # the loss's temperature leaves it alone
+    torch.testing.assert_close(run(1e-9).accept, run(1.0).correct)   # greedy is the limit
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    for s in (0.5, 1.0):
+        p = torch.softmax(final[0] @ head.T / s, -1)  # [L, V]: the target's law at each position
+        alpha = torch.minimum(p, torch.full_like(p, 1 / V)).sum(-1)
+        expect = torch.stack([(alpha[1 + i:L - 1] * mask[0, 2 + i:]).sum() for i in range(steps)])  # row t: w = mask[t+2+i]
+        torch.testing.assert_close(run(s).accept, expect.float())  # the target's law is float32 (target_distribution)

@@ -464,6 +464,9 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
         ("train", "held-out simulated τ: best (step) / last",
          lambda m: f"{h['best_tau_simulated']:.3g} (step {h['best_step']}) / {h['last_tau_simulated']:.3g} on "
                    f"{h['samples']:,} held-out samples" if (h := m["metrics"].get("heldout")) else None, "metrics.heldout"),
+        ("train", "held-out simulated τ of speculative sampling (best drafter)",
+         lambda m: f"{h['best_tau_sampled']:.3g} at temperature {h['sample_temperature']:g}"
+         if (h := m["metrics"].get("heldout")) and h.get("best_tau_sampled") is not None else None, "metrics.heldout.best_tau_sampled"),
         ("train", "held-out τ measured by the engine (greedy chain)", lambda m: _engine_fact((m["metrics"].get("heldout") or {}).get("engine")),
          "metrics.heldout.engine"),
         ("evaluate", "τ (tokens per target verification)", lambda m: m["metrics"].get("tau"), "metrics.tau"),

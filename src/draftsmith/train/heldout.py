@@ -9,9 +9,11 @@ engine's measured tau on held-out prompts at the end.
     plot_learning_curve(evals, steps) -> PNG bytes (held-out and train simulated tau vs tokens seen)
     engine_prompts(...) / engine_record(...) -> metrics.heldout.engine: tau of evaluate's decoding on held-out prompts
 
-An eval record (train/eval.jsonl) is {step, tokens_seen, loss, acc, tau, weight, train_acc, train_tau}:
-held-out teacher-forced accuracy per TTT position and its simulated tau, beside the training
-figures of the same moment (the mean over the last log_every steps).
+An eval record (train/eval.jsonl) is {step, tokens_seen, loss, acc, tau, weight, accept, tau_sampled,
+sample_temperature, train_acc, train_tau}: held-out teacher-forced accuracy per TTT position and its
+simulated tau (greedy decoding), the expected acceptance of speculative sampling per position at
+sample_temperature (evaluate.temperature, or 1 when evaluate is greedy) and its simulated tau, beside
+the training figures of the same moment (the mean over the last log_every steps).
 """
 from __future__ import annotations
 
@@ -131,15 +133,18 @@ def heldout_record(evals: Sequence[dict], best: dict, samples: int, conversation
     last = evals[-1] if evals else {}
     return {"samples": samples, "conversations": conversations, "evaluations": len(evals),
             "best_step": best.get("step"), "best_tau_simulated": best.get("tau_simulated"),
-            "best_acc_per_position": best.get("acc"), "last_step": last.get("step"),
-            "last_tau_simulated": last.get("tau"), "last_acc_per_position": last.get("acc"),
+            "best_acc_per_position": best.get("acc"), "best_tau_sampled": best.get("tau_sampled"),
+            "best_accept_sampled_per_position": best.get("accept_sampled"), "sample_temperature": best.get("sample_temperature"),
+            "last_step": last.get("step"), "last_tau_simulated": last.get("tau"), "last_acc_per_position": last.get("acc"),
+            "last_tau_sampled": last.get("tau_sampled"),
             "still_improving": bool(evals) and best.get("step") == last.get("step"),
             "overfitting": overfitting(evals)}
 
 
 def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict]) -> bytes:
-    """Simulated tau against training tokens seen: held-out at each evaluation (the best marked),
-    train as the mean over each evaluation's window and, faintly, per step."""
+    """Simulated tau against training tokens seen: held-out at each evaluation (the best marked;
+    greedy, and of speculative sampling), train as the mean over each evaluation's window and,
+    faintly, per step."""
     # why here: matplotlib takes about 0.7 s to import, and only this function draws
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -158,6 +163,9 @@ def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict]) -> bytes:
     ex = [e["tokens_seen"] for e in evals]
     ax.plot(ex, [e["train_tau"] for e in evals], "o-", color="tab:blue", markersize=3, label="train (window mean)")
     ax.plot(ex, [e["tau"] for e in evals], "o-", color="tab:orange", markersize=4, label="held-out")
+    if evals and all("tau_sampled" in e for e in evals):
+        ax.plot(ex, [e["tau_sampled"] for e in evals], "s--", color="tab:green", markersize=3,
+                label=f"held-out, sampling at T {evals[-1]['sample_temperature']:g}")
     best = best_of(evals)
     if best is not None:
         ax.plot([best["tokens_seen"]], [best["tau"]], "*", color="tab:red", markersize=12,

@@ -489,6 +489,11 @@ class Trainer:
     def main(self) -> bool:
         return self.info.is_main
 
+    @property
+    def sample_temperature(self) -> float:
+        """The temperature of the held-out sampled acceptance: evaluate's when it samples, else 1."""
+        return float(self.recipe.evaluate.temperature) or 1.0
+
     def plan_of(self, epoch: int) -> list[list[int]]:
         """Epoch `epoch`'s micro-batches (sample ids), a function of (seed, epoch) alone."""
         return [[self.train_ids[j] for j in b]
@@ -568,28 +573,31 @@ class Trainer:
                 "tokens": step_tokens, "epoch": prog.epoch, "skipped": not ok}
 
     def evaluate_heldout(self, loader: Loader, step: int) -> dict:
-        """Loss, acc per position and simulated tau on the held-out samples, over all ranks.
+        """Loss, acc per position and simulated tau on the held-out samples, over all ranks, and the
+        sampled acceptance per position at sample_temperature with its simulated tau (ttt.py).
         Every rank runs the same number of forwards (FSDP collectives); spare ones count 0."""
         k, info, model, device = self.k, self.info, self.tr.model, self.info.device
         batches = [[self.heldout_ids[j] for j in b]
                    for b in epoch_plan([self.index.lengths[j] for j in self.heldout_ids], self.micro_tokens, self.recipe.seed, 0,
                                        self.tc.batch_layout)]
         wt = self.sample_weights[self.heldout_ids].sum(0).to(device)
-        sums = torch.zeros(1 + 3 * k, dtype=torch.float64, device=device)
+        sums = torch.zeros(1 + 4 * k, dtype=torch.float64, device=device)
         with torch.no_grad():
             for r in range(math.ceil(len(batches) / info.world_size)):
                 j = r * info.world_size + info.rank
                 ids, mask, aux, fin, pos, docs = loader.now(batches[j if j < len(batches) else 0]).tensors()
                 with self.autocast:
-                    out = model(ids, mask, aux, fin, self.head_weight, wt, pos, docs)
+                    out = model(ids, mask, aux, fin, self.head_weight, wt, pos, docs, sample_temperature=self.sample_temperature)
                 if j < len(batches):
                     sums += torch.cat([out[0].detach().reshape(1), *out[1:]]).double()
         if is_sharded(model):  # FSDP keeps the root's parameters gathered after a forward with no backward;
             model.reshard()    # the optimizer (and a checkpoint's state dict) holds the sharded ones
         all_reduce_sum(sums, info)
-        correct, weight = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:].tolist()
+        correct, weight, accept = sums[1 + k:1 + 2 * k].tolist(), sums[1 + 2 * k:1 + 3 * k].tolist(), sums[1 + 3 * k:].tolist()
         acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
-        return {"step": step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight}
+        sampled = [a / w if w else 0.0 for a, w in zip(accept, weight)]
+        return {"step": step, "loss": float(sums[0]), "acc": acc, "tau": simulated_tau(acc), "weight": weight,
+                "accept": sampled, "tau_sampled": simulated_tau(sampled), "sample_temperature": self.sample_temperature}
 
     def heldout_checkpoint(self, loader: Loader, prog: Progress, window: deque, evals: list[dict], writer) -> None:
         """Evaluate on the held-out samples, record it (eval.jsonl, TensorBoard, the learning
@@ -608,14 +616,18 @@ class Trainer:
         append_jsonl(out_dir / EVAL_FILE, ev)
         writer.add_scalar("eval/loss", ev["loss"], step)
         writer.add_scalar("eval/tau_simulated", ev["tau"], step)
+        writer.add_scalar("eval/tau_sampled", ev["tau_sampled"], step)
         for i, a in enumerate(ev["acc"]):
             writer.add_scalar(f"eval/acc_{i}", a, step)
         log(f"[train] eval step {step}: held-out loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
             f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else f" (best {prog.best_tau:.2f})")
-            + f" | train tau {ev['train_tau']:.2f}")
+            + f" | sampled at T {ev['sample_temperature']:g}: accept {' '.join(f'{a:.2f}' for a in ev['accept'])}, "
+            f"tau {ev['tau_sampled']:.2f} | train tau {ev['train_tau']:.2f}")
         if better:
             _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
-                                                          "acc": ev["acc"], "tokens_seen": ev["tokens_seen"]})
+                                                          "acc": ev["acc"], "tokens_seen": ev["tokens_seen"],
+                                                          "accept_sampled": ev["accept"], "tau_sampled": ev["tau_sampled"],
+                                                          "sample_temperature": ev["sample_temperature"]})
         over = overfitting(evals)
         if over and not self.overfit_named:
             self.overfit_named = True

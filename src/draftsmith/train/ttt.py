@@ -15,6 +15,11 @@ then); the denominators stay the same.
 Accuracy at position i: argmax of the draft == argmax of the restricted target, over weighted rows;
 chain acceptance at i: the rows whose drafts matched at every step 0..i (1 + their sum over i is
 the teacher-forced tau of a chain, which the engine reproduces on the target's own text).
+Sampled acceptance at i (sample_temperature S > 0, evaluation only): sum_v min(p_S(v), q_S(v)) with
+p_S, q_S the target's and the drafter's softmax(logits / S) over the draft vocab, the probability
+that speculative sampling at temperature S accepts the drafter's token at that row (Leviathan et
+al. 2023); greedy acceptance is its limit S -> 0. Like the accuracy, p is the target's law restricted
+to the draft vocab: where the target puts mass outside it, the figure is an upper bound.
 
 With gradient accumulation and several ranks, a micro-batch divides by the weight of the
 whole global batch at each position (`weight_total`, known before the forward from the loss
@@ -42,6 +47,7 @@ class TTTOutput:
     correct: torch.Tensor  # [k] weighted count of argmax matches
     weight: torch.Tensor  # [k] sum of row weights
     chain: torch.Tensor  # [k] weighted count of rows whose argmax matched at steps 0..i (a chain's acceptance)
+    accept: Optional[torch.Tensor] = None  # [k] weighted sum of sum_v min(p_S, q_S), with sample_temperature S > 0
 
 
 @torch.no_grad()
@@ -68,7 +74,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
              final_hidden: torch.Tensor, head_weight: torch.Tensor, steps: int, decay: float,
              weight_total: Optional[torch.Tensor] = None, attention: str = "auto",
              position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-             mask=None, align_topk: int = 0, temperature: float = 1.0) -> TTTOutput:
+             mask=None, align_topk: int = 0, temperature: float = 1.0, sample_temperature: float = 0.0) -> TTTOutput:
     """The TTT loss of a batch: input_ids/loss_mask [B, L], aux_hidden [B, L, n_aux*H],
     final_hidden [B, L, H]. Padded batches (doc_ids None): one sample per row from position 0,
     padding (token 0, mask 0) after it, so causal attention keeps it out of every real row.
@@ -79,10 +85,14 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     `weight_total` [steps]: the denominators of CE_i (default: this batch's own position weights).
     `mask`: the batch's draft.ttt_attention.TTTMask, prepared (default: built here from doc_ids).
     `align_topk`: 0, or k: the loss of step i > 0 only at rows still aligned (module docstring).
-    `temperature`: of the target distribution the drafter learns (target_distribution; 0: hard labels)."""
+    `temperature`: of the target distribution the drafter learns (target_distribution; 0: hard labels).
+    `sample_temperature` S > 0: also the sampled acceptance per position (module docstring), in `accept`."""
     B, L = input_ids.shape
     dev = input_ids.device
     probs, target_argmax = target_distribution(final_hidden, head_weight, temperature)
+    sampled = None
+    if sample_temperature > 0:
+        sampled = probs if sample_temperature == temperature else target_distribution(final_hidden, head_weight, sample_temperature)[0]
     ids_ext = F.pad(input_ids, (0, steps + 1))
     mask_ext = F.pad(loss_mask.float(), (0, 1))
     positions = torch.arange(L, device=dev)[None].expand(B, L) if position_ids is None else position_ids
@@ -93,16 +103,17 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
     chain = None  # [B, rows] rows whose drafts matched the target's argmax at every step so far
     alive = None  # [B, rows] rows whose drafts so far kept the target's token in the top-k (align_topk)
     loss = torch.zeros((), device=dev)
-    ce_all, correct_all, weight_all, chain_all = [], [], [], []
+    ce_all, correct_all, weight_all, chain_all, accept_all = [], [], [], [], []
     for i in range(steps):
         g = model.ttt_step(ids_ext[:, 1 + i:1 + i + L], hidden, positions + i, cache, attention, attn_mask)
         hidden = g
         rows = L - 1 - i  # rows t whose target position t+1+i exists
         if rows <= 0:  # batch shorter than the unroll: nothing left to predict
-            for acc in (ce_all, correct_all, weight_all, chain_all):
+            for acc in (ce_all, correct_all, weight_all, chain_all, accept_all):
                 acc.append(torch.zeros((), device=dev))
             continue
-        logp = model.logits(g[:, :rows]).float().log_softmax(-1)
+        z = model.logits(g[:, :rows]).float()
+        logp = z.log_softmax(-1)
         w = mask_ext[:, 2 + i:2 + i + rows]
         if doc_ext is not None:  # the label t+2+i must be in row t's sample
             w = w * (doc_ext[:, 2 + i:2 + i + rows] == doc_ids[:, :rows])
@@ -123,7 +134,11 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
         correct_all.append((hit * w).sum())
         weight_all.append(wsum)
         chain_all.append((chain * w).sum())
-    return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all), torch.stack(chain_all))
+        if sampled is not None:
+            q = logp.exp() if sample_temperature == 1 else (z / sample_temperature).softmax(-1)
+            accept_all.append((torch.minimum(sampled[:, 1 + i:1 + i + rows], q).sum(-1) * w).sum())
+    return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all), torch.stack(chain_all),
+                     torch.stack(accept_all) if sampled is not None else None)
 
 
 def _inductor_workarounds() -> None:
@@ -139,7 +154,8 @@ def _inductor_workarounds() -> None:
 class TTTLoss(torch.nn.Module):
     """The drafter with its TTT loss as `forward`, so that FSDP2 (which hooks `forward`) sees
     one call per micro-batch: one all-gather of the parameters, one reduce-scatter of the
-    gradients. Returns a tuple of tensors (loss, ce, correct, weight) for FSDP's output hooks.
+    gradients. Returns a tuple of tensors (loss, ce, correct, weight[, accept when sample_temperature > 0])
+    for FSDP's output hooks.
 
     compile_backend ("inductor"; None: eager): ttt_loss runs torch.compile'd with it (dynamic=False;
     tests use "aot_eager", which traces the same graph without generating kernels), its k unrolled steps one graph: norms,
@@ -158,15 +174,16 @@ class TTTLoss(torch.nn.Module):
             _inductor_workarounds()
         self._loss = torch.compile(ttt_loss, backend=compile_backend, dynamic=False) if self.compiled else ttt_loss
 
-    def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total, position_ids=None, doc_ids=None):
+    def forward(self, input_ids, loss_mask, aux_hidden, final_hidden, head_weight, weight_total, position_ids=None, doc_ids=None,
+                sample_temperature: float = 0.0):
         B, L = input_ids.shape
         mask = TTTMask(doc_ids).prepare(resolve_impl(self.attention, input_ids.device), self.steps, B, L, input_ids.device)
         if self.compiled:  # the rotary tables come from transformers' rope init, which does not trace: look them up eagerly once
             rope_cos_sin(input_ids[:1, :1], self.drafter.cfg, torch.float32)
         out = self._loss(self.drafter, input_ids, loss_mask, aux_hidden, final_hidden, head_weight,
                          self.steps, self.decay, weight_total, self.attention, position_ids, doc_ids, mask,
-                         self.align_topk, self.temperature)
-        return out.loss, out.ce, out.correct, out.weight
+                         self.align_topk, self.temperature, sample_temperature)
+        return (out.loss, out.ce, out.correct, out.weight) + ((out.accept,) if sample_temperature > 0 else ())
 
 
 def simulated_tau(acc: list[float]) -> float:
