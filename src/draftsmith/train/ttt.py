@@ -112,8 +112,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
             for acc in (ce_all, correct_all, weight_all, chain_all, accept_all):
                 acc.append(torch.zeros((), device=dev))
             continue
-        z = model.logits(g[:, :rows]).float()
-        logp = z.log_softmax(-1)
+        logp = model.logits(g[:, :rows]).float().log_softmax(-1)
         w = mask_ext[:, 2 + i:2 + i + rows]
         if doc_ext is not None:  # the label t+2+i must be in row t's sample
             w = w * (doc_ext[:, 2 + i:2 + i + rows] == doc_ids[:, :rows])
@@ -135,7 +134,7 @@ def ttt_loss(model: Eagle3Drafter, input_ids: torch.Tensor, loss_mask: torch.Ten
         weight_all.append(wsum)
         chain_all.append((chain * w).sum())
         if sampled is not None:
-            q = logp.exp() if sample_temperature == 1 else (z / sample_temperature).softmax(-1)
+            q = logp.exp() if sample_temperature == 1 else (logp / sample_temperature).softmax(-1)  # = softmax(logits / S)
             accept_all.append((torch.minimum(sampled[:, 1 + i:1 + i + rows], q).sum(-1) * w).sum())
     return TTTOutput(loss, torch.stack(ce_all), torch.stack(correct_all), torch.stack(weight_all), torch.stack(chain_all),
                      torch.stack(accept_all) if sampled is not None else None)
