@@ -90,7 +90,19 @@ def point_mass_tree(g):  # top-3 siblings under the root, two grandchildren: det
     return DraftTree([order[0], order[1], order[2], 4, 1], [-1, -1, -1, 0, 0])
 
 
-@pytest.mark.parametrize("make_tree", [sampled_chain, point_mass_tree])
+def _mixed(x1: int, y: int) -> tuple[list[int], list[int]]:
+    """A sampled tree's shape (Eagle3Proposer at temperature > 0): under the root x1 ~ Q0 first, then
+    the top-2 of Q0 without x1 as fixed siblings; under x1 its chain child y ~ Q1."""
+    rest = [t for t in Q0.argsort(descending=True).tolist() if t != x1][:2]
+    return [x1, *rest, y], [-1, -1, -1, 0]
+
+
+def mixed_tree(g):
+    tokens, parents = _mixed(int(torch.multinomial(Q0, 1, generator=g)), int(torch.multinomial(Q1, 1, generator=g)))
+    return DraftTree(tokens, parents, [Q0, None, None, Q1])
+
+
+@pytest.mark.parametrize("make_tree", [sampled_chain, point_mass_tree, mixed_tree])
 def test_accept_sampled_preserves_the_target_distribution(make_tree):
     counts = _two_tokens(make_tree, 6000, seed=7)
     assert chi_square_p(counts, EXPECTED_TWO) > 1e-3
@@ -154,6 +166,34 @@ def _tree_rounds(n: int, seed: int) -> dict:
 def test_resident_tree_acceptance_preserves_the_target_distribution():
     """A tree of fixed (top-k) nodes verified on the device against one draw per row keeps the target's law."""
     assert chi_square_p(_tree_rounds(20000, seed=9), EXPECTED_TWO) > 1e-3
+
+
+def _mixed_rounds(n: int, seed: int, accept_all: bool = False) -> dict:
+    """As _tree_rounds for mixed_tree (chain nodes drawn from Q0 and Q1, fixed siblings), n trees at once,
+    picked by resident.pick_sampled_tree; accept_all: u = 0, every drawn node taken."""
+    from draftsmith.speculate.resident import accept, ancestry, pick_sampled_tree
+
+    g = torch.Generator().manual_seed(seed)
+    x1, y = torch.multinomial(Q0, n, replacement=True, generator=g), torch.multinomial(Q1, n, replacement=True, generator=g)
+    trees = [_mixed(a, b) for a, b in zip(x1.tolist(), y.tolist())]
+    ids = torch.tensor([[0] + t for t, _ in trees])
+    logits = torch.stack([_rows(DraftTree(t, par)) for t, par in trees]).log()
+    prow = torch.tensor([[0, 0, 0, 0, 1]]).expand(n, -1)
+    depth = torch.tensor([[0, 1, 1, 1, 2]]).expand(n, -1)
+    chain = torch.tensor([[False, True, False, False, True]]).expand(n, -1)
+    valid = torch.ones(n, 5, dtype=torch.bool)
+    u = torch.zeros(n, 5) if accept_all else torch.rand(n, 5, generator=g)
+    e = torch.empty(n, 5, V).exponential_(generator=g)
+    picked = pick_sampled_tree(logits, ids, prow, depth, chain, torch.stack([Q0, Q1])[None].expand(n, 2, V), u, e, 1.0)
+    n_acc, path, committed, n_emit, hit = accept(picked, ids, prow, valid, ancestry(prow, valid, 2), torch.tensor([-1]), 3)
+    return _first_two(committed, n_emit, g)
+
+
+def test_resident_sampled_tree_acceptance_preserves_the_target_distribution():
+    """A tree whose chain nodes were drawn from the drafter's law and whose siblings are fixed, verified on
+    the device (pick_sampled_tree, then accept), keeps the target's law; taking every drawn node is caught."""
+    assert chi_square_p(_mixed_rounds(20000, seed=4), EXPECTED_TWO) > 1e-3
+    assert chi_square_p(_mixed_rounds(20000, seed=4, accept_all=True), EXPECTED_TWO) < 1e-6
 
 
 @pytest.mark.parametrize("cut", [False, True])

@@ -14,8 +14,12 @@ greedy verification a tree never accepts less than the chain of the same drafter
 Ranked by draft probability alone, a tree can leave the chain's deep nodes out: on the H200 two
 drafters right 90 % of the time at every depth drafted trees of lower tau than their chains (3.89 vs
 4.15, 3.90 vs 4.14; BENCHMARKS.md, tenth session). A chain is topk=1, budget=depth. At
-temperature > 0 a chain samples its drafts and hands their distribution to rejection sampling; a
-tree keeps deterministic top-k nodes (verified as point masses).
+temperature > 0 the chain's node at each depth is one draw from the drafter's law q (handed to
+rejection sampling: accepted with min(1, p/q)); a tree's other nodes are its top-k children without
+that draw (verified as point masses against the residual). A sampled chain is the tree with K = 1.
+With top-k nodes alone a tree under sampling accepted a token with the target's probability of it,
+which is low when the target's law is broad: on an H100 at temperature 1, tree tau 1.25 against the
+sampled chain's 2.13 (BENCHMARKS.md, nineteenth session).
 
 FastDraft (below) is the drafter's fast path: its static cache (cache.StaticDraftCache) and graphed
 steps, and the whole `expand` of a round as one graph. `expand`, `step` and `graph_step` are public:
@@ -133,7 +137,8 @@ class Eagle3Proposer:
 
     def expand(self, K: int, D: int, sampled: bool, step, g_last: torch.Tensor, rows: torch.Tensor):
         """EAGLE-2 expansion to depth D: (toks, scores, parents) [B, n_cand] over every candidate in
-        creation order (parents first), and q_all [B, n_cand, V] when sampling. scores are cumulative
+        creation order (parents first), and q_all [B, D, V] when sampling: the drafter's law of each
+        depth's chain node, which is one draw from it (chain_candidates gives their indices). scores are cumulative
         draft log-probs, +inf on the chain (each depth's candidate 0: frontier slot 0's top-1 child),
         which the selection then always keeps. `step(tok, hidden, pos, anc, fed)` is one drafter
         forward whose rows go behind the `fed` drafting rows already written; with a graph-safe step
@@ -141,14 +146,24 @@ class Eagle3Proposer:
         d, B, dev = self.drafter, g_last.shape[0], g_last.device
 
         def children(g: torch.Tensor, logits: Optional[torch.Tensor] = None):
-            """top-k (or one sampled) draft ids per row, their log-probs, their q over the target vocab."""
+            """top-k draft ids per row and their log-probs; sampled: row 0's first child is one draw from q
+            (its siblings the top-k without it), and q of row 0 over the target vocab comes back too."""
             logits = d.logits(g) if logits is None else logits
-            if sampled:  # one draw from q by the exponential race (argmax q / E, E ~ Exp(1)): no host sync, graph-safe
-                q = torch.softmax(logits.float() / self.temperature, -1)
-                idx = (q / torch.empty_like(q).exponential_(generator=self.generator)).argmax(-1, keepdim=True)
-                return idx, torch.zeros(idx.shape, device=dev), self._to_target_probs(q)
             logp, idx = torch.log_softmax(logits, -1, dtype=torch.float32).topk(K, dim=-1)  # the cast inside: one kernel
-            return idx, logp, None
+            if not sampled:
+                return idx, logp, None
+            row0 = logits if logits.dim() == 2 else logits[:, 0]                   # the root, or frontier slot 0
+            q = torch.softmax(row0.float() / self.temperature, -1)
+            # one draw by the exponential race (argmax q / E, E ~ Exp(1)): no host sync, graph-safe
+            x = (q / torch.empty_like(q).exponential_(generator=self.generator)).argmax(-1, keepdim=True)  # [B, 1]
+            top = idx if logits.dim() == 2 else idx[:, 0]
+            rest = top.gather(1, (top == x).to(torch.int8).argsort(dim=-1, stable=True))[:, :K - 1]  # siblings: x left out
+            first = torch.cat([x, rest], 1)
+            first_lp = torch.log_softmax(row0, -1, dtype=torch.float32).gather(1, first)
+            if logits.dim() == 2:
+                return first, first_lp, self._to_target_probs(q)
+            return (torch.cat([first[:, None], idx[:, 1:]], 1), torch.cat([first_lp[:, None], logp[:, 1:]], 1),
+                    self._to_target_probs(q))
 
         first = torch.zeros(1, dtype=torch.long, device=dev) if K > 1 else None  # a chain: no kernel for it
 
@@ -158,7 +173,7 @@ class Eagle3Proposer:
         idx, logp, q = children(g_last)                                       # [B, K]
         toks, scores = [d.draft_to_target(idx)], [keep_chain(logp)]
         parents = [torch.full((B, K), -1, device=dev)]
-        qs = [q[:, None].expand(B, K, -1)] if sampled else None
+        qs = [q] if sampled else None                                         # q of each depth's chain node
         front = torch.arange(K, device=dev)[None].expand(B, K)               # global candidate index
         front_score, front_g = logp, g_last[:, None].expand(B, K, -1)
         front_anc = torch.zeros(B, K, 0, dtype=torch.bool, device=dev)       # fed ancestors
@@ -189,7 +204,7 @@ class Eagle3Proposer:
                 front_g = g.gather(1, row[:, :, None].expand(-1, -1, g.shape[-1]))
                 front_anc = anc.gather(1, row[:, :, None].expand(-1, -1, anc.shape[-1]))  # parent's ancestors + parent
             n_cand += K * K
-        q_all = torch.cat([x.reshape(B, -1, x.shape[-1]) for x in qs], 1) if sampled else None
+        q_all = torch.stack(qs, 1) if sampled else None                       # [B, D, V]
         return torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1), q_all
 
     def graph_step(self, start: torch.Tensor, end: torch.Tensor, past: torch.Tensor):
@@ -210,7 +225,7 @@ class Eagle3Proposer:
         D = max(max_depth)
         if D <= 0:
             return [DraftTree() for _ in max_depth]
-        sampled = self.temperature > 0 and self.topk == 1
+        sampled = self.temperature > 0
         K = self.topk
         past = self.cache.length
         if self.fast is not None and not sampled:  # the whole expansion: one graph per (batch, K, D)
@@ -229,6 +244,7 @@ class Eagle3Proposer:
         n_cand = K + (D - 1) * K * K
         toks, scores, parents = (x.tolist() for x in (toks, scores, parents))
         depth_of = [dd for i, dd in enumerate(depths) for _ in range(K if i == 0 else K * K)]
+        chain = {c: j for j, c in enumerate(chain_candidates(K, D))}  # sampled: the nodes drawn from q
         trees = []
         for b in range(B):
             ok = [i for i in range(n_cand) if depth_of[i] <= max_depth[b]]
@@ -241,8 +257,14 @@ class Eagle3Proposer:
             order = sorted(chosen)
             at = {g: j for j, g in enumerate(order)}
             trees.append(DraftTree([toks[b][i] for i in order], [at[parents[b][i]] if parents[b][i] >= 0 else -1 for i in order],
-                                   [q_all[b, i] for i in order] if sampled else None))
+                                   [q_all[b, chain[i]] if i in chain else None for i in order] if sampled else None))
         return trees
+
+
+def chain_candidates(K: int, D: int) -> list[int]:
+    """The candidate index of the chain's node at each depth 1..D in `expand`'s creation order: depth 1's
+    first child of the root, then the first child of frontier slot 0 (the chain's node) at each depth."""
+    return [0] + [K + (dd - 2) * K * K for dd in range(2, D + 1)]
 
 
 # ----------------------------------------------------------------------------- the drafter's fast path

@@ -13,15 +13,16 @@ syncs and a few milliseconds of Python per round, during which the GPU idles (pr
     verify     [root, *nodes, padding] through the target over its static cache, ancestry masks
     accept     greedy: a node is accepted when its token is the target's argmax at its parent
                and its parent is accepted; the committed tokens are the argmax along that path.
-               Sampled (temperature > 0): the same with one draw per row instead of the argmax
-               (sample_race: the tree's top-k drafts are fixed nodes), or, for a chain whose
-               drafts were drawn from the drafter's law q, speculative sampling with the residual
-               (accept_sampled_chain); draws from the round's own generator, the target's law kept
+               Sampled (temperature > 0): the same with one pick per row instead of the argmax:
+               a draw from p (sample_race) where the drafts are fixed (top-k), and at the parent
+               of a chain node drawn from the drafter's law q, that node when speculative sampling
+               accepts it, else a draw from the residual (pick_sampled_tree); a chain of drawn
+               drafts: accept_sampled_chain; draws from the round's own generator, the target's law kept
     commit     emitted tokens (cut at EOS) into an output buffer; per-round counts into stats
                buffers; the target's cache rows of the root and path moved behind each
                sequence's committed rows; the drafter fed those rows (as Eagle3Proposer._feed)
 
-Each step but expand and verify is a pure tensor function below (choose, ancestry, sample_race, accept,
+Each step but expand and verify is a pure tensor function below (choose, ancestry, sample_race, pick_sampled_tree, accept,
 accept_sampled_chain, commit, feed_inputs, feed_finish), labelled with its phase for torch.profiler (benchmarks/count_round_ops.py
 counts the ops of each); with `compile_round` inductor compiles each of them, so their small
 kernels (167 in a 12-layer reference-shaped chain round on a CPU) become a few fused ones (24).
@@ -52,8 +53,8 @@ phase = torch.profiler.record_function  # labels a round's phases for benchmarks
 
 def eligible(fast, proposer, temperature: float) -> bool:
     """The resident path runs EAGLE-3 proposals on a FastTarget with a FastDraft, greedy or sampled
-    (chains whose drafts are drawn from q: accept_sampled_chain; trees of top-k drafts: sample_race and
-    accept), as the host loop does with tree.accept_sampled."""
+    (chains whose drafts are drawn from q: accept_sampled_chain; trees: pick_sampled_tree, or sample_race
+    where every draft is fixed, and accept), as the host loop does with tree.accept_sampled."""
     return fast is not None and isinstance(proposer, Eagle3Proposer) and proposer.fast is not None
 
 
@@ -69,7 +70,8 @@ def choose(scores, parents, toks, last, n_gen, active, depth_c, max_new, D: int,
     """select: each sequence's M best candidates by cumulative log-prob within its depth limit (stable
     sort: ties go to the earlier candidate, as the host's sort does, so the set is closed under
     ancestors), in creation order, as verify rows: 0 = root (the last committed token), 1..M = the
-    nodes, then padding. Returns (ids, depth, parent row (self where none), row valid) [B, N]."""
+    nodes, then padding. Returns (ids, depth, parent row (self where none), row valid, chain) [B, N];
+    chain: the row holds a chain node (score +inf: Eagle3Proposer.expand's keep_chain, trees only)."""
     B, n_cand = scores.shape
     max_depth = torch.where(active, (max_new - n_gen - 1).clamp(0, D), 0)  # max_new: a 0-d tensor
     ok = depth_c[None] <= max_depth[:, None]
@@ -87,7 +89,8 @@ def choose(scores, parents, toks, last, n_gen, active, depth_c, max_new, D: int,
     depth = torch.cat([c.new_zeros(B, 1), torch.where(valid, depth_c[c], 0), zeros], 1)
     prow = torch.cat([c.new_zeros(B, 1), torch.where(valid, parent_row, rows[1:1 + M]), rows[1 + M:].expand(B, pad)], 1)
     row_valid = torch.cat([valid.new_ones(B, 1), valid, valid.new_zeros(B, pad)], 1)
-    return ids, depth, prow, row_valid
+    chain = torch.cat([valid.new_zeros(B, 1), valid & (scores.gather(1, c) == float("inf")), valid.new_zeros(B, pad)], 1)
+    return ids, depth, prow, row_valid, chain
 
 
 def ancestry(prow, row_valid, D: int):
@@ -101,6 +104,29 @@ def ancestry(prow, row_valid, D: int):
         anc = anc | anc.gather(1, jump[:, :, None].expand(B, N, N))
         jump = jump.gather(1, jump)
     return anc & (row_valid[:, :, None] | eye)
+
+
+def pick_sampled_tree(logits, ids, prow, depth, chain, q_all, u, e, temperature: float):
+    """The token each row's children are checked against (accept's `picked`) in a tree whose chain node
+    at each depth was drawn from q (q_all [B, D, V]) and whose other nodes are fixed: at the parent row of
+    a drawn node x, x is picked when u q(x) < p(x) (speculative sampling), else a draw from norm(max(p - q,
+    0)), the residual after rejecting x; elsewhere a draw from p (as sample_race). Moving to the child that
+    holds the picked token then tries x first and the fixed siblings after it against the residual, as
+    tree.accept_sampled does on the host: every emitted token keeps the target's law. x is not among its
+    siblings (expand leaves it out), and a rejected x has p(x) < q(x): no mass in the residual. u [B, N]
+    uniform, e [B, N, V] Exp(1) draws."""
+    B, N, V = logits.shape
+    p = torch.softmax(logits.float() / temperature, -1)
+    q_row = q_all.gather(1, (depth - 1).clamp(min=0)[..., None].expand(B, N, V)) * chain[..., None]  # each drawn node's q
+    to = torch.where(chain, prow, N)[..., None]                                # its parent row (N: a spare row)
+    q = p.new_zeros(B, N + 1, V).scatter_add_(1, to.expand(B, N, V), q_row)[:, :N]  # at its parent row (one per parent)
+    x = ids.new_full((B, N + 1), -1).scatter_(1, to[..., 0], torch.where(chain, ids, -1))[:, :N]
+    has = x >= 0
+    xc = x.clamp(min=0)[..., None]
+    take = has & (u * q.gather(2, xc)[..., 0] < p.gather(2, xc)[..., 0])
+    res = torch.where(has[..., None], (p - q).clamp_min(0), p)
+    res = torch.where(res.sum(-1, keepdim=True) > 0, res, p)                      # empty residual: p was all on x
+    return torch.where(take, x, (res / e).argmax(-1))
 
 
 def cut_at_eos(committed, in_path, n_acc, eos):
@@ -220,7 +246,7 @@ def feed_finish(st: dict, g, n_feed) -> None:
     st["d_rows"] += n_feed
 
 
-PARTS = (choose, ancestry, sample_race, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
+PARTS = (choose, ancestry, sample_race, pick_sampled_tree, accept, accept_sampled_chain, commit, feed_inputs, feed_finish)
 
 
 def round_parts(compiled: bool) -> SimpleNamespace:
@@ -239,8 +265,8 @@ class Resident:
     def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int],
                  compile_round: bool = False, temperature: float = 0.0):
         d, dev = prop.drafter, ft.device
-        self.temperature = temperature  # > 0: sampled (accept_sampled_chain for drafts drawn from q, else tree.sample_race)
-        self.sampled_drafts = temperature > 0 and prop.topk == 1 and prop.temperature > 0  # as Eagle3Proposer.propose
+        self.temperature = temperature  # > 0: sampled (drafts drawn from q: accept_sampled_chain, pick_sampled_tree; else sample_race)
+        self.sampled_drafts = temperature > 0 and prop.temperature > 0  # as Eagle3Proposer.propose
         # a sampled round draws from its own generator (the one its graph registers), seeded per run (cache.reseed)
         self.gen = torch.Generator(device=dev) if temperature > 0 else None
         self.ft, self.prop, self.B, self.D, self.K = ft, prop, B, depth, prop.topk
@@ -286,7 +312,7 @@ class Resident:
                                                         prop.graph_step(st["d_start"], st["d_end"], d_past),
                                                         st["g_last"], st["d_rows"])
         with phase("select"):
-            ids, depth_r, prow, row_valid = f.choose(scores, parents, toks, st["last"], st["n_gen"], active,
+            ids, depth_r, prow, row_valid, chain = f.choose(scores, parents, toks, st["last"], st["n_gen"], active,
                                                      self.depth_c, st["max_new"], self.D, self.M, self.N)
         with phase("masks"):
             anc = f.ancestry(prow, row_valid, self.D)
@@ -296,14 +322,19 @@ class Resident:
                                             st["t_start"], st["t_end"], anc, self.t_cols)
         with phase("accept"):
             g = prop.generator  # sampled: self.gen, which is prop.generator during a run (resident_generate)
-            if self.sampled_drafts:  # drafts drawn from q: speculative sampling down the chain
+            if self.sampled_drafts and self.K == 1:  # drafts drawn from q: speculative sampling down the chain
                 u = torch.rand(ids.shape, generator=g, device=ids.device)
                 e = torch.empty(logits.shape[0], logits.shape[-1], device=ids.device).exponential_(generator=g)
                 n_acc, path, committed, n_emit, hit = f.accept_sampled_chain(logits, ids, row_valid, q_all, u, e, st["eos"],
                                                                              self.temperature, self.T)
-            else:  # greedy, or fixed (top-k) drafts verified against one draw per row
-                picked = logits.argmax(-1) if self.temperature <= 0 else f.sample_race(
-                    logits, self.temperature, torch.empty(logits.shape, device=ids.device).exponential_(generator=g))
+            else:  # greedy, or a tree: its drawn chain nodes and fixed siblings verified by one pick per row
+                if self.sampled_drafts:
+                    u = torch.rand(ids.shape, generator=g, device=ids.device)
+                    e = torch.empty(logits.shape, device=ids.device).exponential_(generator=g)
+                    picked = f.pick_sampled_tree(logits, ids, prow, depth_r, chain, q_all, u, e, self.temperature)
+                else:
+                    picked = logits.argmax(-1) if self.temperature <= 0 else f.sample_race(
+                        logits, self.temperature, torch.empty(logits.shape, device=ids.device).exponential_(generator=g))
                 n_acc, path, committed, n_emit, hit = f.accept(picked, ids, prow, row_valid, anc, st["eos"], self.T)
         with phase("commit"):
             src, dst, n_feed = f.commit(st, active, n_acc, path, committed, n_emit, hit, row_valid, depth_r, past,
