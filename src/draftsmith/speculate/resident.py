@@ -116,15 +116,16 @@ def pick_sampled_tree(logits, ids, prow, depth, chain, q_all, u, e, temperature:
     siblings (expand leaves it out), and a rejected x has p(x) < q(x): no mass in the residual. u [B, N]
     uniform, e [B, N, V] Exp(1) draws."""
     B, N, V = logits.shape
+    D = q_all.shape[1]
     p = torch.softmax(logits.float() / temperature, -1)
-    q_row = q_all.gather(1, (depth - 1).clamp(min=0)[..., None].expand(B, N, V)) * chain[..., None]  # each drawn node's q
-    to = torch.where(chain, prow, N)[..., None]                                # its parent row (N: a spare row)
-    q = p.new_zeros(B, N + 1, V).scatter_add_(1, to.expand(B, N, V), q_row)[:, :N]  # at its parent row (one per parent)
-    x = ids.new_full((B, N + 1), -1).scatter_(1, to[..., 0], torch.where(chain, ids, -1))[:, :N]
+    to = torch.where(chain, prow, N)                                            # a drawn node's parent row (N: spare)
+    x = ids.new_full((B, N + 1), -1).scatter_(1, to, torch.where(chain, ids, -1))[:, :N]  # at most one per parent
+    k = ids.new_full((B, N + 1), D).scatter_(1, to, torch.where(chain, depth - 1, D))[:, :N]  # its q's index (D: none)
+    q = torch.cat([q_all, q_all.new_zeros(B, 1, V)], 1).gather(1, k[..., None].expand(B, N, V))
     has = x >= 0
     xc = x.clamp(min=0)[..., None]
     take = has & (u * q.gather(2, xc)[..., 0] < p.gather(2, xc)[..., 0])
-    res = torch.where(has[..., None], (p - q).clamp_min(0), p)
+    res = (p - q).clamp_min(0)                                                   # p itself where none was drawn (q 0)
     res = torch.where(res.sum(-1, keepdim=True) > 0, res, p)                      # empty residual: p was all on x
     return torch.where(take, x, (res / e).argmax(-1))
 
@@ -265,7 +266,7 @@ class Resident:
     def __init__(self, ft: FastTarget, prop, B: int, depth: int, max_new: int, eos_ids: Sequence[int],
                  compile_round: bool = False, temperature: float = 0.0):
         d, dev = prop.drafter, ft.device
-        self.temperature = temperature  # > 0: sampled (drafts drawn from q: accept_sampled_chain, pick_sampled_tree; else sample_race)
+        self.temperature = temperature  # > 0: sampled (drawn drafts: accept_sampled_chain, pick_sampled_tree; else sample_race)
         self.sampled_drafts = temperature > 0 and prop.temperature > 0  # as Eagle3Proposer.propose
         # a sampled round draws from its own generator (the one its graph registers), seeded per run (cache.reseed)
         self.gen = torch.Generator(device=dev) if temperature > 0 else None
