@@ -158,11 +158,11 @@ class Eagle3Proposer:
             x = (q / torch.empty_like(q).exponential_(generator=self.generator)).argmax(-1, keepdim=True)  # [B, 1]
             top = idx if logits.dim() == 2 else idx[:, 0]
             rest = top.gather(1, (top == x).to(torch.int8).argsort(dim=-1, stable=True))[:, :K - 1]  # siblings: x left out
-            first = torch.cat([x, rest], 1)
-            first_lp = torch.log_softmax(row0, -1, dtype=torch.float32).gather(1, first)
+            kids = torch.cat([x, rest], 1)
+            kids_lp = torch.log_softmax(row0, -1, dtype=torch.float32).gather(1, kids)
             if logits.dim() == 2:
-                return first, first_lp, self._to_target_probs(q)
-            return (torch.cat([first[:, None], idx[:, 1:]], 1), torch.cat([first_lp[:, None], logp[:, 1:]], 1),
+                return kids, kids_lp, self._to_target_probs(q)
+            return (torch.cat([kids[:, None], idx[:, 1:]], 1), torch.cat([kids_lp[:, None], logp[:, 1:]], 1),
                     self._to_target_probs(q))
 
         first = torch.zeros(1, dtype=torch.long, device=dev) if K > 1 else None  # a chain: no kernel for it
