@@ -182,8 +182,9 @@ def eval_flags(args, ngram: bool = False) -> list[str]:
 def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[str], ngram: bool = False) -> dict:
     """The engine's tau (chain, tree; n-gram when asked) on MT-Bench. A complete evaluation of this
     drafter with the same evaluate config (every key: prompts, temperature, tree shape, ...) by the
-    same draftsmith code is reused (one with n-gram as well counts); after a change to the code it is measured again (the stage's own fingerprint,
-    config and inputs, would reuse it: the run is forced)."""
+    same draftsmith code is reused (one with n-gram as well counts); after a change to the code it
+    is measured again (the stage's own fingerprint, config and inputs, would reuse it: the run is
+    forced)."""
     ev, complete = None, False
     want = recipe_for(recipe_path, run_dir, seed, flags, eval_flags(args, ngram))
     m_path = stage_dir(run_dir, "evaluate") / "manifest.json"
