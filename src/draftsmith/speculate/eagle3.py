@@ -149,7 +149,8 @@ class Eagle3Proposer:
             """top-k draft ids per row and their log-probs; sampled: row 0's first child is one draw from q
             (its siblings the top-k without it), and q of row 0 over the target vocab comes back too."""
             logits = d.logits(g) if logits is None else logits
-            logp, idx = torch.log_softmax(logits, -1, dtype=torch.float32).topk(K, dim=-1)  # the cast inside: one kernel
+            lp = torch.log_softmax(logits, -1, dtype=torch.float32)  # the cast inside: one kernel
+            logp, idx = lp.topk(K, dim=-1)
             if not sampled:
                 return idx, logp, None
             row0 = logits if logits.dim() == 2 else logits[:, 0]                   # the root, or frontier slot 0
@@ -159,7 +160,7 @@ class Eagle3Proposer:
             top = idx if logits.dim() == 2 else idx[:, 0]
             rest = top.gather(1, (top == x).to(torch.int8).argsort(dim=-1, stable=True))[:, :K - 1]  # siblings: x left out
             kids = torch.cat([x, rest], 1)
-            kids_lp = torch.log_softmax(row0, -1, dtype=torch.float32).gather(1, kids)
+            kids_lp = (lp if logits.dim() == 2 else lp[:, 0]).gather(1, kids)
             if logits.dim() == 2:
                 return kids, kids_lp, self._to_target_probs(q)
             return (torch.cat([kids[:, None], idx[:, 1:]], 1), torch.cat([kids_lp[:, None], logp[:, 1:]], 1),
