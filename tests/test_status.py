@@ -287,3 +287,22 @@ def test_commands_paste_as_is_with_a_space_in_the_run_dir(tmp_path):
     done, _ = make_run(tmp_path / "done runs", done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
     serve = shlex.split(status.collect(done)["next_step"]["command"])
     assert serve[serve.index("--speculative-draft-model-path") + 1] == str(done / "export" / "sglang")
+
+
+def test_a_drafter_that_learned_a_sharper_law_than_evaluate_samples_is_a_finding(tmp_path):
+    """Speculative sampling accepts by the overlap of the drafter's and the target's laws at the serving
+    temperature; a drafter learned at T != 1 matches the target at no temperature, so a sampling evaluate
+    of it is a finding; greedy evaluate (or a T 1 drafter, or a run from before the key) is not."""
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    wins = {"eagle3_tree": {"tau": 2.2, "speedup": 1.3}, "ngram": {"tau": 1.02, "speedup": 0.82}}
+    _set(run, "evaluate", config={"temperature": 0.0}, metrics={"methods": wins})
+    _set(run, "train", config={"train": {"ttt_target_temperature": 0.5}})
+    assert status.collect(run)["findings"] == []  # greedy: a sharper law is the benchmark recipe's choice
+    _set(run, "evaluate", config={"temperature": 0.7})
+    st = status.collect(run)
+    (found,) = st["findings"]
+    assert found["kind"] == "law_unlike_served"
+    assert "samples at temperature 0.7, but the drafter learned the target's law at a sharper T 0.5" in found["text"]
+    assert "train.ttt_target_temperature 1" in found["fix"] and "the drafter learned" in st["next_step"]["text"]
+    _set(run, "train", config={"train": {"ttt_target_temperature": 1.0}})
+    assert status.collect(run)["findings"] == []

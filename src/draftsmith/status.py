@@ -218,6 +218,17 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                                + ("; or train with draft.norm_output true (the default since 2026-12-05), which holds "
                                   "acceptance past the trained depth (BENCHMARKS.md \"New defaults\")"
                                   if _get(train or {}, "config.draft.norm_output") is False else "")})
+    t_learned = _get(train or {}, "config.train.ttt_target_temperature")
+    t_served = ev_config.get("temperature") or 0
+    if t_served > 0 and t_learned is not None and t_learned != 1:
+        out.append({"kind": "law_unlike_served", "source": f"{_mf('train')}: config.train.ttt_target_temperature; "
+                                                          f"{_mf('evaluate')}: config.temperature",
+                    "text": f"evaluate samples at temperature {t_served:g}, but the drafter learned the target's law at "
+                            f"{'a sharper' if t_learned < 1 else 'a flatter'} T {t_learned:g}: speculative sampling accepts "
+                            "by the overlap of the two laws at the serving temperature, which a drafter matches at T 1 only "
+                            "(on an H100, T 0.5 lost 26 % chain τ against T 1 at temperature 1; BENCHMARKS.md, nineteenth session)",
+                    "fix": "train with train.ttt_target_temperature 1 (as recipes/gpu.yaml does); a sharper T helps greedy "
+                           "decoding only"})
     fallbacks = _get(ev or {}, "metrics.capture_fallbacks")
     if fallbacks:  # those calls ran eagerly: the speedups are not the graphs path's
         out.append({"kind": "capture_fallbacks", "source": f"{_mf('evaluate')}: metrics.capture_fallbacks",
