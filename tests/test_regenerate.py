@@ -393,3 +393,40 @@ def test_cut_off_run_keeps_its_finished_chunks_and_their_time(tmp_path, monkeypa
     assert len(calls) == 1 + 2  # chunks 2 and 3 only (7 conversations, 3 per chunk)
     assert m["status"] == "complete" and m["timings"]["regenerate_s"] > first
     assert m["metrics"]["loss_tokens_per_s"] == round(m["counts"]["loss_tokens"] / m["timings"]["regenerate_s"], 1)
+
+
+@pytest.mark.parametrize("fast", ["off", "static"])
+def test_sampled_answers_are_a_function_of_the_seed(tmp_path, monkeypatch, fast):
+    """At temperature > 0 each chunk draws from a generator seeded by (recipe seed, chunk): the same
+    recipe writes the same answers, whether the run went through at once or was cut off after its
+    first chunk and resumed (after other draws from torch's default generator); another seed writes
+    others."""
+    import draftsmith.data.regenerate as regen
+
+    def run(name, seed=0, cut=False):
+        d = tmp_path / name
+        d.mkdir()
+        args = _recipe(d, batch_size=4, keep_truncated=True, fast=fast, temperature=1.0)
+        recipe = parse_recipe([*args, "--seed", str(seed)])[0]
+        run_stage("prepare", recipe)
+        if cut:
+            real, calls = regen.regenerate_conversations, []
+
+            def cut_after_one(*a, **kw):
+                if calls:
+                    raise KeyboardInterrupt
+                calls.append(1)
+                return real(*a, **kw)
+            with monkeypatch.context() as mp:
+                mp.setattr(regen, "regenerate_conversations", cut_after_one)
+                with pytest.raises(KeyboardInterrupt):
+                    run_stage("regenerate", recipe)
+            torch.rand(1000)  # the resumed process's default generator is elsewhere
+        run_stage("regenerate", recipe)
+        return _conversations(d / "run")
+
+    once = run("once")
+    assert len(once) == 7
+    assert run("resumed", cut=True) == once
+    other = run("seed1", seed=1)
+    assert other.keys() == once.keys() and other != once

@@ -96,7 +96,8 @@ class RegenerateConfig:
     """Keep answers cut at max_new_tokens (the chat template still closes the turn). For small
     targets whose greedy answers rarely end, e.g. the quickstart's."""
     temperature: float = 0.0
-    """0: greedy."""
+    """0: greedy. > 0: sampled; local decoding draws each chunk from a generator seeded by (seed,
+    chunk), so the same recipe writes the same answers, resumed or not (a server uses its own)."""
     batch_size: int = 16
     """Conversations per local decoding batch (every batch is padded to this size, so the fast
     path keeps one KV cache and one set of CUDA graphs)."""

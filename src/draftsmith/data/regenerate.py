@@ -108,7 +108,8 @@ class LocalGenerator:
         self.target = load_target(t.path, t.device, t.dtype, t.trust_remote_code, with_tokenizer=True,
                                   device_map=t.device_map, experts_implementation=t.experts_implementation)
         self.tok = self.target.tokenizer
-        self.cfg = recipe.regenerate
+        self.cfg, self.seed = recipe.regenerate, recipe.seed
+        self.generator: Optional[torch.Generator] = None
         self.eos = set(eos_token_ids(self.target))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
         mode = choose_mode(self.cfg.fast, self.target, "regenerate.fast")
@@ -118,6 +119,12 @@ class LocalGenerator:
             self.target, mode, self.cfg.fast, "regenerate.fast", "transformers generate",
             batch_size=self.cfg.batch_size, max_len=self.max_len)
         self.path = mode if self.fast is not None else "generate"
+
+    def start_chunk(self, k: int) -> None:
+        """Sampled answers of chunk k come from a generator seeded by (recipe seed, k): the same recipe
+        writes the same answers, whether the run went through at once or resumed after a cut."""
+        if self.cfg.temperature > 0:
+            self.generator = torch.Generator(device=self.target.device).manual_seed(self.seed * 1_000_003 + k)
 
     def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list]) -> list[Answer]:
         enc = [prompt_ids(self.tok, c, a) for c, a in zip(conversations, answer_ids)]
@@ -132,7 +139,8 @@ class LocalGenerator:
             size = bucket_rows(len(enc), self.cfg.batch_size)
             self.fast.ensure(size, self.max_len)  # the cache sized once per bucket, for every prompt that fits
             rows = enc + [enc[-1]] * (size - len(enc))
-            gen = self.fast.plain(rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature)[:len(enc)]
+            gen = self.fast.plain(rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature,
+                                  generator=self.generator)[:len(enc)]
             return self._answers(enc, gen)
         L = max(len(e) for e in enc)
         ids = torch.full((len(enc), L), self.pad, dtype=torch.long)
@@ -142,9 +150,13 @@ class LocalGenerator:
         dev = self.target.device
         sample = self.cfg.temperature > 0
         kw = dict(do_sample=True, temperature=self.cfg.temperature) if sample else dict(do_sample=False)
-        gen = self.target.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                                         max_new_tokens=self.cfg.max_new_tokens, eos_token_id=sorted(self.eos),
-                                         pad_token_id=self.pad, **kw)[:, L:].cpu().tolist()
+        # generate draws from torch's default generators: seeded here from this chunk's, then restored
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            if sample:
+                torch.manual_seed(int(torch.randint(1 << 62, (1,), generator=self.generator, device=self.generator.device)))
+            gen = self.target.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                                             max_new_tokens=self.cfg.max_new_tokens, eos_token_id=sorted(self.eos),
+                                             pad_token_id=self.pad, **kw)[:, L:].cpu().tolist()
         return self._answers(enc, gen)
 
     def _answers(self, prompts: list[list[int]], gen: list[list[int]]) -> list[Answer]:
@@ -214,6 +226,9 @@ class ServerGenerator:
             if attempt < self.cfg.max_retries:
                 time.sleep(min(2.0 ** attempt, 30.0) * self.cfg.retry_delay_s)
         return Answer(None, f"request failed after {attempt + 1} attempt(s): {error}")
+
+    def start_chunk(self, k: int) -> None:
+        """Nothing: a server samples with its own generator (its answers are not a function of the recipe's seed)."""
 
     def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list] = ()) -> list[Answer]:
         """Text answers (a chat server re-encodes earlier answers itself; `answer_ids` are not sent)."""
@@ -326,6 +341,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     def chunk(k: int, convs, retried: bool) -> None:
         """Regenerate `convs` into chunk k: its shard, its errors, the manifest that lists it (the last write)."""
         nonlocal t0
+        generate.start_chunk(k)
         results = regenerate_conversations(generate, [c.messages for c in convs], fits)
         samples, texts = [], []
         for conv, res in zip(convs, results):
