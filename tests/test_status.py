@@ -295,7 +295,9 @@ def test_a_drafter_that_learned_a_sharper_law_than_evaluate_samples_is_a_finding
     of it is a finding; greedy evaluate (or a T 1 drafter, or a run from before the key) is not."""
     run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
     wins = {"eagle3_tree": {"tau": 2.2, "speedup": 1.3}, "ngram": {"tau": 1.02, "speedup": 0.82}}
-    _set(run, "evaluate", config={"temperature": 0.0}, metrics={"methods": wins})
+    _set(run, "evaluate", config={"temperature": 0.7}, metrics={"methods": wins})
+    assert status.collect(run)["findings"] == []  # a run from before the key learned at T 1
+    _set(run, "evaluate", config={"temperature": 0.0})
     _set(run, "train", config={"train": {"ttt_target_temperature": 0.5}})
     assert status.collect(run)["findings"] == []  # greedy: a sharper law is the benchmark recipe's choice
     _set(run, "evaluate", config={"temperature": 0.7})

@@ -109,7 +109,7 @@ class LocalGenerator:
                                   device_map=t.device_map, experts_implementation=t.experts_implementation)
         self.tok = self.target.tokenizer
         self.cfg, self.seed = recipe.regenerate, recipe.seed
-        self.generator: Optional[torch.Generator] = None
+        self.generator: Optional[torch.Generator] = None  # sampled: this chunk's (start_chunk)
         self.eos = set(eos_token_ids(self.target))
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos)
         mode = choose_mode(self.cfg.fast, self.target, "regenerate.fast")
@@ -119,6 +119,7 @@ class LocalGenerator:
             self.target, mode, self.cfg.fast, "regenerate.fast", "transformers generate",
             batch_size=self.cfg.batch_size, max_len=self.max_len)
         self.path = mode if self.fast is not None else "generate"
+        self.start_chunk(0)
 
     def start_chunk(self, k: int) -> None:
         """Sampled answers of chunk k come from a generator seeded by (recipe seed, k): the same recipe
