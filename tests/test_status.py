@@ -289,10 +289,11 @@ def test_commands_paste_as_is_with_a_space_in_the_run_dir(tmp_path):
     assert serve[serve.index("--speculative-draft-model-path") + 1] == str(done / "export" / "sglang")
 
 
-def test_a_drafter_that_learned_a_sharper_law_than_evaluate_samples_is_a_finding(tmp_path):
+def test_a_drafter_trained_for_greedy_decoding_but_evaluated_by_sampling_is_a_finding(tmp_path):
     """Speculative sampling accepts by the overlap of the drafter's and the target's laws at the serving
     temperature; a drafter learned at T != 1 matches the target at no temperature, so a sampling evaluate
-    of it is a finding; greedy evaluate (or a T 1 drafter, or a run from before the key) is not."""
+    of it is a finding; greedy evaluate (or a T 1 drafter, or a run from before the key) is not. So is
+    one trained on answers regenerated greedily (sampled text goes elsewhere), unless evaluate is greedy."""
     run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
     wins = {"eagle3_tree": {"tau": 2.2, "speedup": 1.3}, "ngram": {"tau": 1.02, "speedup": 0.82}}
     _set(run, "evaluate", config={"temperature": 0.7}, metrics={"methods": wins})
@@ -307,4 +308,17 @@ def test_a_drafter_that_learned_a_sharper_law_than_evaluate_samples_is_a_finding
     assert "samples at temperature 0.7, but the drafter learned the target's law at a sharper T 0.5" in found["text"]
     assert "train.ttt_target_temperature 1" in found["fix"] and "the drafter learned" in st["next_step"]["text"]
     _set(run, "train", config={"train": {"ttt_target_temperature": 1.0}})
+    assert status.collect(run)["findings"] == []
+
+    # answers regenerated greedily, served by sampling: the drafter never saw sampled text
+    regen = stage_dir(run, "regenerate")
+    regen.mkdir(parents=True)
+    finish_manifest(regen, new_manifest("regenerate", "fp", {"temperature": 0.0}, {}))
+    (found,) = status.collect(run)["findings"]
+    assert found["kind"] == "trained_on_greedy_text" and "regenerated greedily" in found["text"]
+    assert "regenerate.temperature 0.7" in found["fix"] and found["source"].startswith("regen/manifest.json")
+    _set(run, "evaluate", config={"temperature": 0.0})
+    assert status.collect(run)["findings"] == []  # greedy answers for a greedy server
+    _set(run, "evaluate", config={"temperature": 0.7})
+    _set(run, "regenerate", config={"temperature": 0.7})
     assert status.collect(run)["findings"] == []

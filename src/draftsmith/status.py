@@ -229,6 +229,17 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                             "(on an H100, T 0.5 lost 26 % chain τ against T 1 at temperature 1; BENCHMARKS.md, nineteenth session)",
                     "fix": "train with train.ttt_target_temperature 1 (as recipes/gpu.yaml does); a sharper T helps greedy "
                            "decoding only"})
+    regen = manifests.get("regenerate") or {}
+    if t_served > 0 and regen.get("status") == "complete" and not _get(regen, "config.temperature"):
+        out.append({"kind": "trained_on_greedy_text", "source": f"{_mf('regenerate')}: config.temperature; "
+                                                               f"{_mf('evaluate')}: config.temperature",
+                    "text": f"evaluate samples at temperature {t_served:g}, but the drafter trained on answers the target "
+                            "regenerated greedily: sampled text goes where greedy text never does (CPU lab: a drafter "
+                            "trained on answers sampled at T 1 reached 1.10-1.17x chain τ and 1.19-1.25x tree τ under "
+                            "sampling at 1, and 0.89-0.90x under greedy decoding; one training seed; BENCHMARKS.md, "
+                            "twentieth session)",
+                    "fix": f"for a server that samples, regenerate at its temperature (regenerate.temperature {t_served:g}); "
+                           "keep greedy answers for a greedy server"})
     fallbacks = _get(ev or {}, "metrics.capture_fallbacks")
     if fallbacks:  # those calls ran eagerly: the speedups are not the graphs path's
         out.append({"kind": "capture_fallbacks", "source": f"{_mf('evaluate')}: metrics.capture_fallbacks",
