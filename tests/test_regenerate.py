@@ -367,13 +367,10 @@ def test_bucket_rows():
     assert bucket_rows(3, 2) == 2 and bucket_rows(200, 128) == 128
 
 
-def test_cut_off_run_keeps_its_finished_chunks_and_their_time(tmp_path, monkeypatch):
-    """Interrupted after its first chunk (Ctrl-C, a job's time limit), regenerate has that chunk on disk
-    with the time it took in the manifest; the rerun starts at the second chunk and adds its own time."""
+def _cut_after_first_chunk(monkeypatch, recipe) -> None:
+    """Run regenerate and interrupt it (KeyboardInterrupt) once its first chunk is done."""
     import draftsmith.data.regenerate as regen
 
-    recipe = parse_recipe(_recipe(tmp_path, batch_size=4))[0]
-    run_stage("prepare", recipe)
     real, calls = regen.regenerate_conversations, []
 
     def cut_after_one(*args, **kw):
@@ -385,12 +382,24 @@ def test_cut_off_run_keeps_its_finished_chunks_and_their_time(tmp_path, monkeypa
     monkeypatch.setattr(regen, "regenerate_conversations", cut_after_one)
     with pytest.raises(KeyboardInterrupt):
         run_stage("regenerate", recipe)
+
+
+def test_cut_off_run_keeps_its_finished_chunks_and_their_time(tmp_path, monkeypatch):
+    """Interrupted after its first chunk (Ctrl-C, a job's time limit), regenerate has that chunk on disk
+    with the time it took in the manifest; the rerun starts at the second chunk and adds its own time."""
+    import draftsmith.data.regenerate as regen
+
+    recipe = parse_recipe(_recipe(tmp_path, batch_size=4))[0]
+    run_stage("prepare", recipe)
+    real = regen.regenerate_conversations
+    _cut_after_first_chunk(monkeypatch, recipe)
     m = load_manifest(tmp_path / "run" / "regen")
     assert m["status"] == "running" and len(m["shards"]) == 1 and m["timings"]["regenerate_s"] > 0
     first = m["timings"]["regenerate_s"]
+    calls = []
     monkeypatch.setattr(regen, "regenerate_conversations", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     m = run_stage("regenerate", recipe)
-    assert len(calls) == 1 + 2  # chunks 2 and 3 only (7 conversations, 3 per chunk)
+    assert len(calls) == 2  # chunks 2 and 3 only (7 conversations, 3 per chunk)
     assert m["status"] == "complete" and m["timings"]["regenerate_s"] > first
     assert m["metrics"]["loss_tokens_per_s"] == round(m["counts"]["loss_tokens"] / m["timings"]["regenerate_s"], 1)
 
@@ -401,7 +410,6 @@ def test_sampled_answers_are_a_function_of_the_seed(tmp_path, monkeypatch, fast)
     recipe writes the same answers, whether the run went through at once or was cut off after its
     first chunk and resumed (after other draws from torch's default generator); another seed writes
     others."""
-    import draftsmith.data.regenerate as regen
 
     def run(name, seed=0, cut=False):
         d = tmp_path / name
@@ -410,17 +418,8 @@ def test_sampled_answers_are_a_function_of_the_seed(tmp_path, monkeypatch, fast)
         recipe = parse_recipe([*args, "--seed", str(seed)])[0]
         run_stage("prepare", recipe)
         if cut:
-            real, calls = regen.regenerate_conversations, []
-
-            def cut_after_one(*a, **kw):
-                if calls:
-                    raise KeyboardInterrupt
-                calls.append(1)
-                return real(*a, **kw)
             with monkeypatch.context() as mp:
-                mp.setattr(regen, "regenerate_conversations", cut_after_one)
-                with pytest.raises(KeyboardInterrupt):
-                    run_stage("regenerate", recipe)
+                _cut_after_first_chunk(mp, recipe)
             torch.rand(1000)  # the resumed process's default generator is elsewhere
         run_stage("regenerate", recipe)
         return _conversations(d / "run")
