@@ -44,6 +44,7 @@ from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_
                          load_manifest, log, new_manifest, remove_temp_files, require_complete, rerun_command, stage_dir,
                          to_jsonable, verify_shards, write_manifest)
 from ..config import Recipe, RegenerateConfig
+from ..speculate.cache import seeded_generator
 from ..speculate.fast import choose_mode, fast_target_or_none
 from ..target.model import eos_token_ids, load_target, load_tokenizer
 from .readers import ReadStats, read_conversations
@@ -124,8 +125,7 @@ class LocalGenerator:
     def start_chunk(self, k: int) -> None:
         """Sampled answers of chunk k come from a generator seeded by (recipe seed, k): the same recipe
         writes the same answers, whether the run went through at once or resumed after a cut."""
-        if self.cfg.temperature > 0:
-            self.generator = torch.Generator(device=self.target.device).manual_seed(self.seed * 1_000_003 + k)
+        self.generator = seeded_generator(self.target.device, self.cfg.temperature, self.seed, k)
 
     def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list]) -> list[Answer]:
         enc = [prompt_ids(self.tok, c, a) for c, a in zip(conversations, answer_ids)]

@@ -12,7 +12,7 @@ import torch
 
 from ..artifacts import DraftsmithError
 from ..config import SPEC_METHODS, check_methods as check_method_names
-from ..speculate.cache import CAPTURES
+from ..speculate.cache import CAPTURES, seeded_generator
 from ..speculate.eagle3 import Eagle3Proposer, FastDraft
 from ..speculate.engine import generate
 from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
@@ -84,12 +84,6 @@ def make_proposer(method: str, drafter, cfg, batch: int, generator=None, runners
     if method == "ngram":
         return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
     raise ValueError(method)
-
-
-def seeded_generator(target, cfg, salt: int) -> Optional[torch.Generator]:
-    if cfg.temperature <= 0:
-        return None
-    return torch.Generator(device=target.device).manual_seed(cfg.seed * 1_000_003 + salt)
 
 
 def timed(where, fn):
@@ -203,12 +197,12 @@ def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, met
 def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[str], eos_ids: list[int],
                     salt: int, where: str, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
     """Plain and every method on one prompt, batch 1."""
-    [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, seeded_generator(target, cfg, salt), runners)
+    gen = lambda: seeded_generator(target.device, cfg.temperature, cfg.seed, salt)  # noqa: E731 (each run: the same draws)
+    [plain], plain_s = run_plain(target, [prompt_ids], cfg, eos_ids, gen(), runners)
     rec = {"prompt_tokens": len(prompt_ids), "prompt_ids": prompt_ids, "plain_new_tokens": len(plain), "plain_s": plain_s,
            "plain_tokens": plain, "methods": {}}
     for m in methods:
-        [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, seeded_generator(target, cfg, salt),
-                                          runners=runners)
+        [spec], [st], spec_s = run_method(target, drafter, m, [prompt_ids], cfg, eos_ids, gen(), runners=runners)
         r = {"new_tokens": len(spec), "spec_s": spec_s, "target_s": st.target_s, "draft_s": st.draft_s,
              "rounds": st.rounds, "emitted": sum(st.emitted_per_round),
              "drafted_per_round": st.drafted_per_round, "accepted_per_round": st.accepted_per_round,
@@ -222,11 +216,12 @@ def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[s
 def evaluate_batch(target, drafter, prompts: list[list[int]], references: list[list[int]], cfg, methods, eos_ids,
                    salt: int, runners: DecodeRunners = EAGER_RUNNERS) -> dict:
     """Plain and every method on one batch of prompts; outputs compared with the batch-1 plain ones."""
-    plain, plain_s = run_plain(target, prompts, cfg, eos_ids, seeded_generator(target, cfg, salt), runners)
+    gen = lambda: seeded_generator(target.device, cfg.temperature, cfg.seed, salt)  # noqa: E731 (each run: the same draws)
+    plain, plain_s = run_plain(target, prompts, cfg, eos_ids, gen(), runners)
     rec = {"batch_size": len(prompts), "plain_s": plain_s, "plain_new_tokens": sum(map(len, plain)),
            "plain_steps": max(map(len, plain)), "methods": {}}  # steps of the batch: its longest sequence's
     for m in methods:
-        new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, seeded_generator(target, cfg, salt), runners=runners)
+        new, stats, s = run_method(target, drafter, m, prompts, cfg, eos_ids, gen(), runners=runners)
         rec["methods"][m] = {"spec_s": s, "new_tokens": sum(map(len, new)), "rounds": sum(st.rounds for st in stats),
                              "batch_rounds": max(st.rounds for st in stats),
                              "emitted": sum(sum(st.emitted_per_round) for st in stats),

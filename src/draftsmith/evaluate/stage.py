@@ -24,11 +24,10 @@ from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_writ
 from ..config import EvaluateConfig, Recipe, check_recipe
 from ..data.readers import Prompt, load_prompts
 from ..draft.io import load_drafter, read_drafter_config
-from ..speculate.cache import CAPTURE_FALLBACKS
+from ..speculate.cache import CAPTURE_FALLBACKS, seeded_generator
 from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
-from .measure import (DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, method_depth, run_method, run_plain,
-                      seeded_generator)
+from .measure import DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, method_depth, run_method, run_plain
 from .report import fmt, plot_acceptance, print_table, render_report, summarize, table_rows
 
 PARTIAL = "partial.jsonl"
@@ -173,8 +172,8 @@ class Evaluation:
         n = min(8, self.cfg.max_new_tokens)
         run_plain(self.target, prompts, self.cfg, self.eos, runners=self.runners, max_new_tokens=n)
         for m in self.methods:
-            run_method(self.target, self.drafter, m, prompts, self.cfg, self.eos, seeded_generator(self.target, self.cfg, -1),
-                       n, runners=self.runners)
+            gen = seeded_generator(self.target.device, self.cfg.temperature, self.cfg.seed, -1)
+            run_method(self.target, self.drafter, m, prompts, self.cfg, self.eos, gen, n, runners=self.runners)
         self.warmed.add(len(prompts))
 
     def turns(self, todo: list[tuple[str, str, Prompt]], budget: Optional[int]):

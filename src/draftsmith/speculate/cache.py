@@ -69,6 +69,14 @@ def capture(fn: Callable, args: Sequence[torch.Tensor] = (), state: Optional[dic
     return graph, out
 
 
+def seeded_generator(device, temperature: float, seed: int, salt: int) -> Optional[torch.Generator]:
+    """A sampling run's generator, seeded by (seed, salt), e.g. evaluate's prompt or regenerate's chunk;
+    None when greedy (temperature <= 0)."""
+    if temperature <= 0:
+        return None
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + salt)
+
+
 def reseed(own: torch.Generator, source: Optional[torch.Generator]) -> None:
     """Seed `own` from one draw of `source` (torch's default generator when None). A CUDA graph holds the
     generator it registered at capture, so a caller's new generator per run could never reach it: a
