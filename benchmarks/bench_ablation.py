@@ -52,6 +52,8 @@ VARIANTS: dict[str, list[str]] = {
     "lr1e-2": ["--train.lr", "1e-2"],
     "muon": ["--train.optimizer", "muon", "--train.lr", "1e-3"],
     "muon3e-3": ["--train.optimizer", "muon", "--train.lr", "3e-3"],  # won at 630 steps (BENCHMARKS.md, tenth session)
+    # the law the drafter learns: the target's at temperature 1 (recipes/gpu.yaml: a server that samples)
+    "t1": ["--train.ttt_target_temperature", "1"],
     # the head: the target's own rows, trained or frozen
     "head_target": ["--train.head_init", "target"],
     "head_frozen": ["--train.head_init", "target", "--train.train_head", "false"],
@@ -322,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--benchmark", default="mtbench", help="evaluate.benchmarks entry: mtbench or a question file")
     p.add_argument("--draft-steps", type=int, default=5, help="chain length and tree depth of the engine")
     p.add_argument("--no-engine", action="store_true", help="skip the measured tau (held-out acceptance only)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the engine's evaluate.temperature (0: greedy; > 0: speculative sampling, seeded by --seeds)")
+    p.add_argument("--no-ngram", action="store_true", help="leave n-gram prompt lookup out of the engine's methods")
     p.add_argument("--print-commands", action="store_true", help="print the draftsmith commands of each run and exit")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic target, two variants, no engine (CPU test)")
     p.add_argument("--out", help="JSON file")
@@ -339,11 +344,13 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    at = ["--evaluate.temperature", str(args.temperature)] if args.temperature else []
+    flags = {name: VARIANTS[name] + at for name in names}  # a variant's run folder is reused at another temperature
     if args.print_commands:
         for name in names:
             for seed in seeds:
                 d = Path(args.work) / f"{name}-s{seed}"
-                common = f"{args.recipe} --run_dir {d} --seed {seed} {' '.join(EQUAL_DATA + VARIANTS[name])}".rstrip()
+                common = f"{args.recipe} --run_dir {d} --seed {seed} {' '.join(EQUAL_DATA + flags[name])}".rstrip()
                 print(f"# {name}, seed {seed} (data/, capture/, vocab/ linked from {args.base})")
                 print(f"draftsmith train {common}")
                 print(f"draftsmith evaluate {common} {' '.join(eval_flags(args))}")
@@ -357,10 +364,10 @@ def main(argv=None) -> int:
     for name in names:
         runs = [r for r in result["variants"].get(name, {}).get("runs", []) if r["seed"] not in seeds]
         for seed in seeds:
-            runs.append(run_variant(args, name, VARIANTS[name], seed, ngram=result.get("ngram_tau") is None))
+            runs.append(run_variant(args, name, flags[name], seed, ngram=not args.no_ngram and result.get("ngram_tau") is None))
             result["ngram_tau"] = result.get("ngram_tau") or runs[-1].get("ngram_tau")
         runs.sort(key=lambda r: r["seed"])
-        result["variants"][name] = {"flags": VARIANTS[name], "runs": runs, "mean": mean_row(runs)}
+        result["variants"][name] = {"flags": flags[name], "runs": runs, "mean": mean_row(runs)}
         if out:
             atomic_write_json(out, result)
     print(markdown(result))

@@ -130,6 +130,14 @@ for s in $STEPS; do case $s in
              # "t025=--train.ttt_target_temperature 0.25;t1=--train.ttt_target_temperature 1" (each its own folder and -bench_peer.json)
              IFS=';' read -ra VS <<< "${PEER_VARIANTS:-}"
              for v in "${VS[@]}"; do peer "${v%%=*}" "${v#*=}" "${SWEEP_LIMIT:-240}"; done ;;
+  ablation)  # bench_ablation.py on the peerdata captures, without the peer: AB_VARIANTS (e.g. t1) with the engine at
+             # AB_TEMPERATURE (0: greedy); AB_BASE / AB_HELDOUT another capture (e.g. answers regenerated at another
+             # temperature, the peerdata step moved aside first), AB_NAME its JSON, AB_NGRAM=--no-ngram leaves n-gram out
+             step ablation "${AB_LIMIT:-300}" python3 benchmarks/bench_ablation.py --recipe benchmarks/recipes/h200.yaml \
+               --base "${AB_BASE:-/tmp/runs/peer/base}" --heldout "${AB_HELDOUT:-/tmp/runs/peer/heldout}" \
+               --work "${AB_WORK:-/tmp/runs/ablate}" --variants "${AB_VARIANTS:-baseline}" --seeds "${PEER_SEEDS:-0}" \
+               --eval-prompts "${PEER_PROMPTS:-16}" --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl \
+               --temperature "${AB_TEMPERATURE:-0}" ${AB_NGRAM:-} --out "$OUT/${AB_NAME:-ablation}.json" ;;
   explain)   # benchmarks/explain_turns.py on the peer step's evaluated run folders: each turn's engine tau beside the drafter's
              # teacher-forced tau on the same tokens, in float32 and in the recipe's dtype (a turn the decoding path lost, or the
              # drafter's blind spot; e.g. MT-Bench question 137, where seed-0 drafters drafted almost nothing, fourteenth session)
