@@ -150,10 +150,14 @@ def simulated_tau(acc: list[float]) -> float:
 
 
 def link_stages(base: Path, run_dir: Path, stages=("prepare", "capture", "vocab")) -> None:
-    """The variant's run folder reads the base run's data, capture and vocab (symlinks); a stage of
+    """The variant's run folder reads the base run's data, capture and vocab (symlinks), and its regen
+    when the base regenerated (a recipe with regenerate on, or training online, reads it); a stage of
     the base that is not complete is a one-line error before anything is linked."""
     for s in stages:
         require_complete(stage_dir(base, s), s)
+    regen = stage_dir(base, "regenerate") / "manifest.json"
+    if regen.exists() and read_json(regen).get("status") == "complete":
+        stages = ("regenerate", *stages)
     run_dir.mkdir(parents=True, exist_ok=True)
     for s in stages:
         link = stage_dir(run_dir, s)

@@ -311,3 +311,30 @@ def test_a_signal_during_the_peers_training_marks_nothing_complete(tmp_path, mon
         bench_peer.main(["--smoke", "--out", str(tmp_path / "r.json")])
     assert list(tmp_path.rglob("interrupted")) and not list(tmp_path.rglob(bench_peer.TRAINED))
     assert not [d for d in tmp_path.rglob("final") if d.parent.name == "speculators"]
+
+
+def test_ablation_variant_links_regen_and_prints_its_temperature(tmp_path, monkeypatch, capsys):
+    """A variant's run folder links the base's regen/ when the base regenerated (a recipe with
+    regenerate on failed there at once: H100, 2026-12-06), not when it did not; --temperature puts
+    evaluate.temperature in every variant's flags (the printed commands reproduce the run)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_ablation as ab
+    from draftsmith.artifacts import atomic_write_json
+
+    base = tmp_path / "base"
+    for d in ("data", "capture", "vocab"):
+        atomic_write_json(base / d / "manifest.json", {"status": "complete", "fingerprint": "fp"})
+    ab.link_stages(base, tmp_path / "plain")
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["capture", "data", "vocab"]
+    atomic_write_json(base / "regen" / "manifest.json", {"status": "running", "fingerprint": "fp"})  # a cut regenerate is not linked
+    ab.link_stages(base, tmp_path / "cut")
+    assert not (tmp_path / "cut" / "regen").exists()
+    atomic_write_json(base / "regen" / "manifest.json", {"status": "complete", "fingerprint": "fp"})
+    ab.link_stages(base, tmp_path / "regen")
+    assert (tmp_path / "regen" / "regen").resolve() == (base / "regen").resolve()
+
+    assert ab.main(["--recipe", "r.yaml", "--base", str(base), "--heldout", "h", "--work", "w", "--variants", "baseline,t1",
+                    "--temperature", "0.7", "--print-commands"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("draftsmith evaluate")]
+    assert len(lines) == 2 and all("--evaluate.temperature 0.7 " in ln for ln in lines)
+    assert "--train.ttt_target_temperature 1 " in lines[1]
