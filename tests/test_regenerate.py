@@ -16,7 +16,7 @@ from draftsmith.cli import main, parse_recipe
 from draftsmith.data import regenerate
 from draftsmith.data.regenerate import read_errors
 from draftsmith.data.shards import read_shard
-from draftsmith.pipeline import run_stage
+from draftsmith.pipeline import run_stage, stage_fingerprint
 
 TARGET = Path(__file__).resolve().parents[1] / "assets" / "tiny-llama-sharegpt"  # trained: it ends its answers
 PROMPTS = ["Say hello.", "Hi", "Write a poem.", "FAIL please", "Hello!", "Tell me a joke."]
@@ -38,6 +38,7 @@ class TinyServer:
         self.lock = threading.Lock()
         self.paths: list[str] = []
         self.chat_requests = 0
+        self.seeds: list = []  # each chat request's `seed` (None: none sent)
         server = self
         self.failing = True
 
@@ -64,6 +65,7 @@ class TinyServer:
                     return self._send(404, {"error": "not found"})
                 with server.lock:
                     server.chat_requests += 1
+                    server.seeds.append(body.get("seed"))
                 if server.failing and "FAIL" in body["messages"][-1]["content"]:
                     return self._send(500, {"error": "injected failure"})
                 text, finish = server.generate(body["messages"], body["max_tokens"])
@@ -429,3 +431,30 @@ def test_sampled_answers_are_a_function_of_the_seed(tmp_path, monkeypatch, fast)
     assert run("resumed", cut=True) == once
     other = run("seed1", seed=1)
     assert other.keys() == once.keys() and other != once
+
+
+def test_server_requests_carry_a_seed_when_sampling(tmp_path, server):
+    """Sampled server requests carry the OpenAI API's `seed`, a function of (recipe seed, chunk,
+    messages): a rerun asks for the same draws, another recipe seed for others; greedy requests carry
+    none. The seed joins the stage's fingerprint when sampling, so another seed regenerates a sampled
+    stage and leaves a greedy one complete."""
+    def seeds(name, seed=0, temperature=1.0):
+        d = tmp_path / name
+        d.mkdir()
+        args = [*_recipe(d, server_url=server.url, temperature=temperature), "--prepare.max_samples", "3", "--seed", str(seed)]
+        assert main(["prepare", *args]) == 0
+        server.seeds.clear()
+        assert main(["regenerate", *args]) == 0
+        return sorted(server.seeds, key=str)
+
+    first = seeds("a")
+    assert len(first) == 3 and all(isinstance(x, int) and 0 <= x < 2 ** 31 for x in first) and len(set(first)) == 3
+    assert seeds("b") == first
+    assert set(seeds("c", seed=1)).isdisjoint(first)
+    assert seeds("d", temperature=0.0) == [None] * 3
+
+    def fp(seed, temperature):
+        recipe = parse_recipe([*_recipe(tmp_path, temperature=temperature), "--seed", str(seed)])[0]
+        return stage_fingerprint("regenerate", recipe, tmp_path / "run")
+
+    assert fp(0, 1.0) != fp(1, 1.0) and fp(0, 0.0) == fp(1, 0.0)

@@ -97,7 +97,8 @@ class RegenerateConfig:
     targets whose greedy answers rarely end, e.g. the quickstart's."""
     temperature: float = 0.0
     """0: greedy. > 0: sampled; local decoding draws each chunk from a generator seeded by (seed,
-    chunk), so the same recipe writes the same answers, resumed or not (a server uses its own)."""
+    chunk), so the same recipe writes the same answers, resumed or not; a server's requests carry a
+    `seed` made of (seed, chunk, the messages). The seed is then part of the stage's fingerprint."""
     batch_size: int = 16
     """Conversations per local decoding batch (every batch is padded to this size, so the fast
     path keeps one KV cache and one set of CUDA graphs)."""

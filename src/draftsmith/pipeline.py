@@ -119,6 +119,8 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
         extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
+    elif stage == "regenerate" and recipe.regenerate.temperature > 0:  # sampled answers are a function of the seed
+        extra = ("seed", recipe.seed)
     return fingerprint(stage, cfg, target_fingerprint(recipe), up, extra)
 
 

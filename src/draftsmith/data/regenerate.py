@@ -26,6 +26,7 @@ resumes too (what is still to send is what no shard holds and no other reason le
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -177,11 +178,20 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused (talks only to server_url)", headers, fp)
 
 
+def request_seed(seed: int, chunk: int, messages: list[dict]) -> int:
+    """The OpenAI API's per-request `seed` of a sampled answer: a function of (recipe seed, chunk, the
+    messages answered), so a rerun or a resumed run asks for the same draws whatever order the
+    requests go in (vLLM and SGLang seed the request's sampler with it; an answer is then as
+    reproducible as the server's batching keeps its logits)."""
+    key = json.dumps([seed, chunk, messages], sort_keys=True, ensure_ascii=False).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big") >> 1  # 0 .. 2**31 - 1: any server's int
+
+
 class ServerGenerator:
     """POST {server_url}/chat/completions, `concurrency` requests at a time, with retries."""
 
-    def __init__(self, cfg: RegenerateConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RegenerateConfig, seed: int = 0):
+        self.cfg, self.seed, self.chunk = cfg, seed, 0
         self.url = cfg.server_url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise DraftsmithError(f"regenerate.server_url {cfg.server_url!r}: not an http(s) URL; give the server's "
@@ -207,6 +217,8 @@ class ServerGenerator:
     def _one(self, messages: list[dict]) -> Answer:
         body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_new_tokens,
                 "temperature": self.cfg.temperature}
+        if self.cfg.temperature > 0:
+            body["seed"] = request_seed(self.seed, self.chunk, messages)
         error = "no attempt"
         for attempt in range(self.cfg.max_retries + 1):
             try:
@@ -229,7 +241,8 @@ class ServerGenerator:
         return Answer(None, f"request failed after {attempt + 1} attempt(s): {error}")
 
     def start_chunk(self, k: int) -> None:
-        """Nothing: a server samples with its own generator (its answers are not a function of the recipe's seed)."""
+        """Sampled requests of chunk k carry a seed (request_seed)."""
+        self.chunk = k
 
     def __call__(self, conversations: Sequence[list[dict]], answer_ids: Sequence[list] = ()) -> list[Answer]:
         """Text answers (a chat server re-encodes earlier answers itself; `answer_ids` are not sent)."""
@@ -321,7 +334,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     errors = [json.loads(line) for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
-    generate = ServerGenerator(cfg) if cfg.server_url else LocalGenerator(recipe)
+    generate = ServerGenerator(cfg, recipe.seed) if cfg.server_url else LocalGenerator(recipe)
     if not cfg.server_url:
         m["decoding_path"] = generate.path  # generate, or the fast path's mode (static, graphs, compile)
     via = cfg.server_url or f"local decoding ({generate.path})"
