@@ -322,3 +322,10 @@ def test_a_drafter_trained_for_greedy_decoding_but_evaluated_by_sampling_is_a_fi
     _set(run, "evaluate", config={"temperature": 0.7})
     _set(run, "regenerate", config={"temperature": 0.7})
     assert status.collect(run)["findings"] == []
+    # sampled answers, evaluated greedily: the figures are a greedy server's (last: any real problem comes first)
+    _set(run, "evaluate", config={"temperature": 0.0})
+    (found,) = status.collect(run)["findings"]
+    assert found["kind"] == "greedy_eval_of_sampled_answers" and "sampled at temperature 0.7" in found["text"]
+    assert "evaluate.temperature" in found["fix"]
+    _set(run, "evaluate", metrics={"methods": {**wins, "ngram": {"tau": 2.6, "speedup": 2.0}}})
+    assert [f["kind"] for f in status.collect(run)["findings"]] == ["loses_to_ngram", "greedy_eval_of_sampled_answers"]

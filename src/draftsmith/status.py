@@ -263,6 +263,16 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                                 + f" against n-gram lookup's τ {ngram['tau']:.3g} / {_fmt('', ngram.get('speedup'))}x, "
                                   "which costs nothing to train",
                         "fix": fix})
+    t_regen = _get(regen, "config.temperature") or 0
+    if ev and t_served == 0 and regen.get("status") == "complete" and t_regen > 0:  # last: the figures hold, for greedy decoding
+        out.append({"kind": "greedy_eval_of_sampled_answers", "source": f"{_mf('regenerate')}: config.temperature; "
+                                                                       f"{_mf('evaluate')}: config.temperature",
+                    "text": f"the drafter trained on answers the target sampled at temperature {t_regen:g}, made for a server "
+                            "that samples, but evaluate decoded greedily, so these are a greedy server's figures (on an H100 "
+                            "such a drafter had 0.87x the greedy tree τ of one trained on greedy answers, and 1.73x its τ "
+                            "sampling at 1; BENCHMARKS.md, twenty-first session)",
+                    "fix": f"measure it as it will be served: set evaluate.temperature to the server's (e.g. {t_regen:g}); "
+                           "for a server that decodes greedily, regenerate greedily (regenerate.temperature 0)"})
     return out
 
 
