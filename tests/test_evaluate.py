@@ -187,9 +187,38 @@ def test_evaluate_sampled(recipe, fast, capsys):
     assert all(1.0 <= r["tau"] <= 4.0 for r in met["methods"].values()) and set(met["batches"]["2"]) == set(met["methods"])
     res = read_json(recipe.run_dir + "/eval/results.json")
     assert all("lossless" not in r or r["lossless"] is None for p in res["prompts"] for r in p["methods"].values())
-    assert ("EAGLE-3 rounds on the device" in capsys.readouterr().err) == (fast == "static")
+    # the greedy spot check: the first turns decoded greedily too, every method identical to plain decoding (float32)
+    turns = min(len(res["prompts"]), stage.SPOT_CHECK_TURNS)
+    for s in res["summary"]["methods"].values():
+        assert s["lossless"] == {"checked": turns, "identical": turns, "near_tie_divergences": 0, "numeric_divergences": 0,
+                                 "greedy_spot_check": True}
+    err = capsys.readouterr().err
+    assert f"greedy spot check of {turns} turn(s): eagle3_chain {turns}/{turns} identical" in err
+    assert ("EAGLE-3 rounds on the device" in err) == (fast == "static")
     resident = [p["methods"][k]["target_s"] is None for p in res["prompts"] for k in ("eagle3_chain", "eagle3_tree")]
     assert all(resident) if fast == "static" else not any(resident)  # one graph per round: no target/draft split
+
+
+def test_sampled_evaluate_spot_checks_greedy_decoding(recipe, monkeypatch):
+    """Sampling gives no lossless verdict, so evaluate decodes the first turns greedily too: a method
+    whose greedy output leaves plain decoding's (a token changed here) stops the stage with the
+    lossless error naming the turn; with check_lossless off the spot check does not run."""
+    recipe.evaluate.temperature, recipe.evaluate.step_costs, recipe.evaluate.batch_sizes = 0.8, False, [1]
+    real = measure.run_method
+
+    def broken(target, drafter, method, prompts, cfg, *a, **k):
+        new, stats, s = real(target, drafter, method, prompts, cfg, *a, **k)
+        if method == "eagle3_chain" and cfg.temperature == 0 and len(new[0]) > 2:
+            new[0][2] = (new[0][2] + 1) % target.vocab_size
+        return new, stats, s
+
+    monkeypatch.setattr(measure, "run_method", broken)
+    with pytest.raises(DraftsmithError, match=r"\(greedy spot check\): eagle3_chain: speculative output differs from plain greedy"):
+        pipeline.run_stage("evaluate", recipe)
+    recipe.evaluate.check_lossless = False
+    m = pipeline.run_stage("evaluate", recipe, force=True)
+    res = read_json(recipe.run_dir + "/eval/results.json")
+    assert m["status"] == "complete" and all("lossless" not in s for s in res["summary"]["methods"].values())
 
 
 def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):

@@ -50,11 +50,17 @@ def summarize_method(records: list[dict], method: str, k: int) -> dict:
                             "accept_rate_unconditional": [ratio(a, n) for a, n in zip(per_pos["accepted"], per_pos["drafted"])]},
            "accepted_length_histogram": hist}
     if rows and "lossless" in rows[0][1]:
-        out["lossless"] = {"checked": len(rows), "identical": sum(m["lossless"] for _, m in rows),
-                           "near_tie_divergences": sum(m.get("divergence") == "tie" or (m.get("divergence") is None
-                                                           and m["near_tie_gap"] is not None) for _, m in rows),
-                           "numeric_divergences": sum(m.get("divergence") == "numeric" for _, m in rows)}
+        out["lossless"] = lossless_tally([m for _, m in rows])
     return out
+
+
+def lossless_tally(checks: list[dict]) -> dict:
+    """Lossless checks (measure.lossless_check's records) counted: checked, identical, and the
+    divergences at a rounding tie and beyond it."""
+    return {"checked": len(checks), "identical": sum(c["lossless"] for c in checks),
+            "near_tie_divergences": sum(c.get("divergence") == "tie" or (c.get("divergence") is None
+                                                                         and c["near_tie_gap"] is not None) for c in checks),
+            "numeric_divergences": sum(c.get("divergence") == "numeric" for c in checks)}
 
 
 def summarize(records: list[dict], batch_records: list[dict], cfg, methods: list[str]) -> dict:
@@ -155,7 +161,8 @@ def render_report(summary: dict, recipe: Recipe) -> str:
         if ll:
             ties, numeric = ll["near_tie_divergences"], ll.get("numeric_divergences", 0)
             unexplained = ll["checked"] - ll["identical"] - ties - numeric
-            parts.append(f"Lossless: {ll['identical']}/{ll['checked']} prompts token-identical to plain greedy decoding"
+            spot = " (sampled figures above; this is a greedy decoding of the first turns)" if ll.get("greedy_spot_check") else ""
+            parts.append(f"Lossless{spot}: {ll['identical']}/{ll['checked']} prompts token-identical to plain greedy decoding"
                          + (f"; {ties} diverged at a rounding tie" if ties else "")
                          + (f"; {numeric} where an independent forward agreed with neither decoder (rounding beyond "
                             "the tie tolerance)" if numeric else "")

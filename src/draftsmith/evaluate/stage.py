@@ -8,13 +8,13 @@ in this process, one after the other, after one warm-up (measure.py). Reported p
     per position: P(accept | reached) and P(accept) for draft depths 1..k, and a histogram
     tokens/s and the speedup (plain time / method time, same target, same process)
 and, for batch sizes > 1, the same over batches of prompts. Greedy speculative output must equal
-plain output (check_lossless). Step costs for `plan` (target forward over 1..64 tokens, drafter
+plain output (check_lossless; when evaluate samples, on a greedy spot check of the first turns). Step costs for `plan` (target forward over 1..64 tokens, drafter
 step; costs.py) go into the manifest. Each prompt's result is appended to eval/partial.jsonl, so a
 killed evaluation resumes after the last finished prompt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,9 +28,12 @@ from ..speculate.cache import CAPTURE_FALLBACKS, seeded_generator
 from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
 from .measure import DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, method_depth, run_method, run_plain
-from .report import fmt, plot_acceptance, print_table, render_report, summarize, table_rows
+from .report import fmt, lossless_tally, plot_acceptance, print_table, render_report, summarize, table_rows
 
 PARTIAL = "partial.jsonl"
+SPOT_CHECK_TURNS, SPOT_CHECK_TOKENS = 4, 64
+"""When evaluate samples (its outputs are draws, no lossless verdict), the first SPOT_CHECK_TURNS turns
+are decoded greedily too, SPOT_CHECK_TOKENS new tokens, and checked lossless as at temperature 0."""
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -209,6 +212,23 @@ class Evaluation:
                 answers.append(rec["plain_tokens"])
         return records, too_long
 
+    def greedy_spot_check(self, records: list[dict]) -> dict[str, dict]:
+        """At temperature > 0 (with check_lossless): plain decoding and every method, greedy, on the first
+        SPOT_CHECK_TURNS turns, each method's output checked against plain's (lossless_check: a bug
+        raises). {method: lossless tally, marked greedy_spot_check}; empty when greedy or not checked."""
+        if self.cfg.temperature <= 0 or not self.cfg.check_lossless:
+            return {}
+        greedy = replace(self.cfg, temperature=0.0, max_new_tokens=min(self.cfg.max_new_tokens, SPOT_CHECK_TOKENS))
+        checks: dict[str, list[dict]] = {m: [] for m in self.methods}
+        for rec in records[:SPOT_CHECK_TURNS]:
+            r = evaluate_prompt(self.target, self.drafter, rec["prompt_ids"], greedy, self.methods, self.eos, 0,
+                                f"{rec['key']} (greedy spot check)", runners=self.runners)
+            for m in self.methods:
+                checks[m].append(r["methods"][m])
+        log(f"[evaluate] greedy spot check of {min(len(records), SPOT_CHECK_TURNS)} turn(s): " + ", ".join(
+            f"{m} {sum(c['lossless'] for c in cs)}/{len(cs)} identical to plain decoding" for m, cs in checks.items()))
+        return {m: {**lossless_tally(cs), "greedy_spot_check": True} for m, cs in checks.items()}
+
     def batches(self, records: list[dict]) -> list[dict]:
         """Each batch size > 1 over consecutive turns (full batches only), every method against plain
         decoding of the same batch; the batch-1 plain outputs are the lossless reference."""
@@ -269,12 +289,15 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
                               f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
                               "lower evaluate.max_new_tokens")
+    spot_check = ev.greedy_spot_check(records)
     batch_records = ev.batches(records)
 
     step_costs = measure_step_costs(target, drafter, records[0]["prompt_ids"] + records[0]["plain_tokens"], runners=runners,
                                     batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(records)],
                                     tree_topk=cfg.tree_topk) if cfg.step_costs and records else None
     summary = summarize(records, batch_records, cfg, methods)
+    for m, tally in spot_check.items():
+        summary["methods"][m]["lossless"] = tally
     if step_costs:
         step_costs.update(overheads(summary, step_costs, cfg))
     summary["path"] = runners.mode
