@@ -1,8 +1,11 @@
 """Paired ratios of tau over the same 160 turns (bootstrap over turns, 2,000 draws, ratio of sum emitted / sum rounds)
 for the twentieth session's H100 files: python benchmarks/results/h100-2026-12-06-s20/paired.py"""
 import json
-import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from paired_turns import paired  # noqa: E402
 
 D = Path(__file__).parent
 
@@ -14,15 +17,6 @@ def from_peer(f, side, m):  # a bench_peer file's per_turn rows: [key, emitted, 
 def from_eval(f, m):  # an evaluate results.json
     return {p["key"]: (p["methods"][m]["emitted"], p["methods"][m]["rounds"]) for p in json.load(open(D / f))["prompts"]}
 
-
-def paired(name, a, b):
-    keys = sorted(a)
-    assert set(keys) == set(b), name
-    def ratio(ks):
-        return (sum(a[k][0] for k in ks) / sum(a[k][1] for k in ks)) / (sum(b[k][0] for k in ks) / sum(b[k][1] for k in ks))
-    rnd = random.Random(0)
-    draws = sorted(ratio([rnd.choice(keys) for _ in keys]) for _ in range(2000))
-    print(f"{name}: {ratio(keys):.3f} (95% {draws[50]:.3f}-{draws[1949]:.3f}, {len(keys)} turns)")
 
 
 C, T1, T07 = "C-t1s-s0-bench_peer.json", "D-t1-ngram-results.json", "D-t07-results.json"

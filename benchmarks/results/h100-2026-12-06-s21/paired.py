@@ -3,8 +3,11 @@ sampled at temperature 1 (s), the engine at temperature 1, 0.7 and greedy. Each 
 tau over the same 160 turns (bootstrap over turns, 2,000 draws, ratio of sum emitted / sum rounds):
 python benchmarks/results/h100-2026-12-06-s21/paired.py"""
 import json
-import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from paired_turns import paired  # noqa: E402
 
 D = Path(__file__).parent
 FILES = {("g", "1"): "C3-g-t1-at1.json", ("s", "1"): "C3-s-t1-at1.json", ("g", "0.7"): "C5-g-t1-at07.json",
@@ -18,15 +21,6 @@ def row(data, t):
 def turns(data, t, m):  # [key, emitted, rounds] per turn
     return {k: (e, n) for k, e, n in row(data, t)["per_turn"][m]}
 
-
-def paired(name, a, b):
-    keys = sorted(a)
-    assert set(keys) == set(b), name
-    def ratio(ks):
-        return (sum(a[k][0] for k in ks) / sum(a[k][1] for k in ks)) / (sum(b[k][0] for k in ks) / sum(b[k][1] for k in ks))
-    rnd = random.Random(0)
-    draws = sorted(ratio([rnd.choice(keys) for _ in keys]) for _ in range(2000))
-    print(f"{name}: {ratio(keys):.3f} (95% {draws[50]:.3f}-{draws[1949]:.3f}, {len(keys)} turns)")
 
 
 for t in ("1", "0.7", "0"):
