@@ -211,3 +211,21 @@ def test_metrics_with_a_non_numeric_position_label():
             'vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4\n')
     w = spec_window(None, parse_prometheus(text))
     assert w["mean_acceptance_length"] == pytest.approx(2.2)
+
+
+def test_requests_sample_at_the_evaluated_temperature(prompts, tmp_path):
+    """Without --temperature the requests sample at the temperature run_dir's evaluate measured at (a
+    recipe for a sampling server, recipes/gpu.yaml), greedy without a run or an evaluation; an
+    explicit --temperature wins. The temperature used is in results.json."""
+    from draftsmith.artifacts import finish_manifest, new_manifest, stage_dir
+
+    run_dir = tmp_path / "run"
+    with StubServer(step_s=0.001) as srv:
+        kw = dict(url=srv.url, concurrency=[1], requests_per_level=2)
+        assert bench(prompts, tmp_path, run_dir=str(run_dir), **kw)["config"]["temperature"] == 0.0
+        ev = stage_dir(run_dir, "evaluate")
+        ev.mkdir(parents=True)
+        finish_manifest(ev, new_manifest("evaluate", "fp", {"temperature": 0.7}, {}))
+        assert bench(prompts, tmp_path, run_dir=str(run_dir), **kw)["config"]["temperature"] == 0.7
+        assert bench(prompts, tmp_path, run_dir=str(run_dir), temperature=0.0, **kw)["config"]["temperature"] == 0.0
+        assert bench(prompts, tmp_path, **kw)["config"]["temperature"] == 0.0

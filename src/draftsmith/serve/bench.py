@@ -27,7 +27,7 @@ import re
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Optional
 from urllib.parse import urlsplit, urlunsplit
@@ -35,7 +35,8 @@ from urllib.parse import urlsplit, urlunsplit
 from jsonargparse import ActionConfigFile
 from tqdm import tqdm
 
-from ..artifacts import DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, package_versions, to_jsonable
+from ..artifacts import (DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, load_manifest, package_versions,
+                         stage_dir, to_jsonable)
 from ..config import cli_parser
 from ..data.readers import load_prompts
 from .metrics import parse_prometheus, spec_window
@@ -69,8 +70,9 @@ class BenchServeConfig:
     """Requests per level; 0 = max(16, 4 x concurrency)."""
     max_tokens: int = 256
     """max_tokens of each request."""
-    temperature: float = 0.0
-    """Sampling temperature of each request."""
+    temperature: Optional[float] = None
+    """Sampling temperature of each request; default: the one `run_dir`'s evaluate measured at (so the
+    served figures stand beside evaluate's; recipes/gpu.yaml samples at 1), else 0 (greedy)."""
     ignore_eos: bool = False
     """Send ignore_eos (vLLM, SGLang) so every request generates max_tokens tokens."""
     request_timeout_s: float = 300.0
@@ -512,8 +514,18 @@ def ledger_summary(res: dict) -> dict:
     return out
 
 
+def request_temperature(cfg: BenchServeConfig) -> float:
+    """--temperature, else the temperature of run_dir's evaluate stage, else 0."""
+    if cfg.temperature is not None:
+        return float(cfg.temperature)
+    m = load_manifest(stage_dir(cfg.run_dir, "evaluate")) if cfg.run_dir else None
+    t = ((m or {}).get("config") or {}).get("temperature")
+    return float(t) if t is not None else 0.0
+
+
 def run(cfg: BenchServeConfig) -> dict:
     """The whole benchmark: prompts, sweep, results.json, plot, ledger. Returns the results."""
+    cfg = replace(cfg, temperature=request_temperature(cfg))
     levels = list(cfg.concurrency)
     if not levels or any(c < 1 for c in levels):
         raise DraftsmithError(f"--concurrency {levels}: not a list of positive levels; give positive integers, e.g. [1,2,4,8]")
