@@ -230,7 +230,8 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                     "fix": "train with train.ttt_target_temperature 1 (as recipes/gpu.yaml does); a sharper T helps greedy "
                            "decoding only"})
     regen = manifests.get("regenerate") or {}
-    if t_served > 0 and regen.get("status") == "complete" and not _get(regen, "config.temperature"):
+    t_regen = (_get(regen, "config.temperature") or 0) if regen.get("status") == "complete" else None  # None: not regenerated
+    if t_served > 0 and t_regen == 0:
         out.append({"kind": "trained_on_greedy_text", "source": f"{_mf('regenerate')}: config.temperature; "
                                                                f"{_mf('evaluate')}: config.temperature",
                     "text": f"evaluate samples at temperature {t_served:g}, but the drafter trained on answers the target "
@@ -263,8 +264,7 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                                 + f" against n-gram lookup's τ {ngram['tau']:.3g} / {_fmt('', ngram.get('speedup'))}x, "
                                   "which costs nothing to train",
                         "fix": fix})
-    t_regen = _get(regen, "config.temperature") or 0
-    if ev and t_served == 0 and regen.get("status") == "complete" and t_regen > 0:  # last: the figures hold, for greedy decoding
+    if ev and t_served == 0 and t_regen:  # last: the figures hold, for greedy decoding
         out.append({"kind": "greedy_eval_of_sampled_answers", "source": f"{_mf('regenerate')}: config.temperature; "
                                                                        f"{_mf('evaluate')}: config.temperature",
                     "text": f"the drafter trained on answers the target sampled at temperature {t_regen:g}, made for a server "

@@ -9,8 +9,9 @@ in this process, one after the other, after one warm-up (measure.py). Reported p
     tokens/s and the speedup (plain time / method time, same target, same process)
 and, for batch sizes > 1, the same over batches of prompts. Greedy speculative output must equal
 plain output (check_lossless; when evaluate samples, on a greedy spot check of the first turns).
-Step costs for `plan` (target forward over 1..64 tokens, drafter step; costs.py) go into the manifest. Each prompt's result is appended to eval/partial.jsonl, so a
-killed evaluation resumes after the last finished prompt.
+Step costs for `plan` (target forward over 1..64 tokens, drafter step; costs.py) go into the
+manifest. Each prompt's result is appended to eval/partial.jsonl, so a killed evaluation resumes
+after the last finished prompt.
 """
 from __future__ import annotations
 
