@@ -375,3 +375,29 @@ def test_a_key_added_later_keeps_older_runs_complete(tmp_path, target, monkeypat
     monkeypatch.setitem(pl.ADDED_KEYS, f"train.{key}", value)
     assert pl.stage_fingerprint("train", at(value), run) == fp
     assert pl.stage_fingerprint("train", recipe, run) != fp
+
+
+def test_keep_best_sampled_ties_train_to_the_serving_temperature(tmp_path, target, monkeypatch):
+    """train.keep_best sampled picks the drafter by the held-out figure at evaluate.temperature, so
+    that temperature enters train's fingerprint then, and only then: a greedy-kept run (older runs,
+    the default) does not retrain when only evaluate's temperature changes."""
+    from dataclasses import replace
+
+    import draftsmith.pipeline as pl
+    from draftsmith.config import parse_recipe
+
+    run = tmp_path / "run"
+    recipe, _ = parse_recipe([str(write_recipe(tmp_path, target, run))])
+
+    def fp(keep_best, temperature):
+        r = replace(recipe, train=replace(recipe.train, keep_best=keep_best),
+                    evaluate=replace(recipe.evaluate, temperature=temperature))
+        return pl.stage_fingerprint("train", r, run)
+
+    assert fp("greedy", 0.0) == fp("greedy", 1.0) == fp("greedy", 0.7)
+    assert len({fp("greedy", 0.0), fp("sampled", 1.0), fp("sampled", 0.7)}) == 3
+    assert fp("sampled", 0.0) == fp("sampled", 1.0)  # a greedy evaluate: the sampled figure is at 1
+    greedy, real = fp("greedy", 0.0), pl.to_jsonable  # a run written before the key (greedy then) stays complete
+    monkeypatch.setattr(pl, "to_jsonable", lambda x: {k: v for k, v in real(x).items() if k != "keep_best"}
+                        if isinstance(real(x), dict) else real(x))
+    assert pl.stage_fingerprint("train", recipe, run) == greedy

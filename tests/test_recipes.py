@@ -22,6 +22,7 @@ DIFFERENCES = {
     "train.eval_every": "the benchmark pins its cadence (50); a user's run takes about 10 evaluations",
     "regenerate.temperature": "the benchmark decodes greedily, where greedy answers won 1.15x tree tau; a user's server "
                               "samples, where answers sampled at 1 won 1.73x at temperature 1 (BENCHMARKS.md, twenty-first session)",
+    "train.keep_best": "the benchmark keeps the drafter by greedy held-out tau (the default); a user's server samples",
     "train.ttt_target_temperature": "the benchmark decodes greedily, where 0.5 won 8.5 % tree tau; a user's server samples, "
                                     "where 0.5 lost 26 % chain tau at temperature 1 (BENCHMARKS.md, nineteenth session)",
 }

@@ -266,6 +266,14 @@ def test_engine_far_below_its_simulated_tau_is_a_finding(tmp_path):
     _set(run, "train", metrics={"heldout": {**held, "best_tau_sampled": 2.345, "sample_temperature": 0.7}})
     facts = {f["label"]: f["value"] for f in status.collect(run)["discoveries"]}
     assert facts["held-out simulated τ of speculative sampling (best drafter)"] == "2.35 at temperature 0.7"
+    _set(run, "train", metrics={"heldout": {**held, "best_tau_sampled": 2.345, "sample_temperature": 0.7, "best_by": "sampled",
+                                            "overfitting": {"from_step": 240, "to_step": 400, "heldout_from": 2.345,
+                                                            "heldout_to": 2.1, "train_from": 4.0, "train_to": 5.8}}})
+    st = status.collect(run)
+    facts = {f["label"]: f["value"] for f in st["discoveries"]}
+    assert facts["held-out simulated τ of speculative sampling (best drafter)"] == (
+        "2.35 at temperature 0.7 (train.keep_best: sampled, train/best chosen by it)")
+    assert st["findings"][0]["text"].startswith("held-out sampled τ fell from 2.35 (step 240)")
     held["engine"]["tau_chain"] = 1.5
     _set(run, "train", metrics={"heldout": held})
     (found,) = status.collect(run)["findings"]

@@ -372,6 +372,38 @@ def test_heldout_eval_keeps_best(tmp_path, target_dir):
     assert eng["rounds"] >= eng["prompts"] and eng["emitted"] == pytest.approx(eng["tau_chain"] * eng["rounds"])
 
 
+@pytest.mark.parametrize("keep_best", ["greedy", "sampled"])
+def test_keep_best_picks_by_its_figure_and_resumes_with_it(tmp_path, target_dir, monkeypatch, keep_best):
+    """train.keep_best: train/best (so train/drafter) is the evaluation with the best held-out greedy
+    simulated tau, or with the best sampled one (a server that samples). The sampled figure is made
+    to fall while greedy tau rises, so the two pick different steps; a kill after the first
+    evaluation and a resume keep comparing the same figure (best.json's)."""
+    real = loop.Trainer.evaluate_heldout
+
+    def falling_sampled(self, loader, step):
+        return {**real(self, loader, step), "tau_sampled": 100.0 - step}
+
+    monkeypatch.setattr(loop.Trainer, "evaluate_heldout", falling_sampled)
+    recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir), max_steps=12, lr=3e-2, heldout_samples=3,
+                               eval_every=4, save_every=6, keep_best=keep_best, heldout_engine_prompts=0)
+    with killed_at_step(monkeypatch, 10), pytest.raises(KeyboardInterrupt):
+        loop.run(recipe, run_dir, "fp-train")
+    m = loop.run(recipe, run_dir, "fp-train")
+    train = run_dir / "train"
+    evals = [json.loads(line) for line in (train / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [4, 8, 12]
+    greedy_step = max(evals, key=lambda e: e["tau"])["step"]
+    assert greedy_step != 4  # the toy drafter learns: greedy tau is best after the first evaluation
+    want = 4 if keep_best == "sampled" else greedy_step
+    best = read_json(train / "best" / "best.json")
+    held = m["metrics"]["heldout"]
+    assert (best["step"], best["best_by"], held["best_step"], held["best_by"]) == (want, keep_best, want, keep_best)
+    name = "sampled tau" if keep_best == "sampled" else "simulated tau"
+    assert m["drafter"]["from"] == f"best held-out {name} (step {want})"
+    ws = {d: load_file(str(train / d / "model.safetensors")) for d in ("drafter", "best")}
+    assert all(torch.equal(ws["drafter"][k], ws["best"][k]) for k in ws["best"])
+
+
 def test_heldout_engine_tau_off_and_skipped(tmp_path, target_dir, capsys):
     """train.heldout_engine_prompts 0 measures nothing; a target that cannot be loaded is recorded
     as skipped with the reason, and training still completes."""

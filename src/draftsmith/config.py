@@ -292,9 +292,16 @@ class TrainConfig:
     """Evaluate on the held-out samples every N steps (and at the end): teacher-forced accuracy
     per TTT position, its simulated tau, the learning curve (train/learning_curve.png) and an
     OVERFITTING line in the log when the held-out figure falls while the training figure rises.
-    The best drafter by held-out simulated tau is kept in train/best/ and becomes train/drafter/
+    The best drafter by held-out figure (keep_best) is kept in train/best/ and becomes train/drafter/
     (what evaluate and export use); the last step's is train/last/. auto = about 10 evaluations
     per run; 0 = only at the end. Changing it retrains: another cadence can pick another best."""
+    keep_best: Literal["greedy", "sampled"] = "greedy"
+    """The held-out figure that picks train/best/ (and so train/drafter/): greedy = simulated tau
+    of greedy decoding (teacher-forced top-1 per TTT position); sampled = simulated tau of
+    speculative sampling at evaluate.temperature (1 when evaluate is greedy), for a server that
+    samples. With sampled, changing evaluate.temperature retrains a complete stage (another
+    temperature can pick another best); the learning curve and the OVERFITTING line follow the
+    chosen figure."""
     heldout_engine_prompts: int = 16
     """At the end, the best drafter's tau measured by evaluate's speculative decoding (greedy
     EAGLE-3 chain, depth ttt_steps capped by evaluate.draft_steps, 64 new tokens per prompt, batch
@@ -437,6 +444,11 @@ class Recipe:
 
 
 STAGES = ("prepare", "regenerate", "capture", "vocab", "train", "evaluate", "export")
+
+
+def heldout_sample_temperature(recipe: Recipe) -> float:
+    """The temperature of train's held-out sampled figure: evaluate's when it samples, else 1."""
+    return float(recipe.evaluate.temperature) or 1.0
 
 
 def field_docs(cls: type) -> dict[str, str]:

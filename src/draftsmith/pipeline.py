@@ -35,7 +35,7 @@ from .artifacts import (PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, 
                         atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
                         output_fingerprint, process_cmdline, process_rank, process_start_time, process_started_at,
                         relative_hint, rerun_command, stage_dir, to_jsonable)
-from .config import Recipe
+from .config import Recipe, heldout_sample_temperature
 from .data.readers import resolve_source
 from .stages import STAGE_TABLE
 
@@ -98,7 +98,7 @@ def hash_bytes(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()[:16]
 
 
-ADDED_KEYS = {"train.ttt_align_topk": 0, "train.ttt_target_temperature": 1.0}
+ADDED_KEYS = {"train.ttt_align_topk": 0, "train.ttt_target_temperature": 1.0, "train.keep_best": "greedy"}
 """Keys added after runs existed, each with the value those runs trained at: fingerprinted only when
 set to another value, so an older complete run stays complete, and a later change of the key's
 default retrains the runs it changes (not only the value of the config's default at the time)."""
@@ -121,6 +121,8 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
         extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
     elif stage == "regenerate" and recipe.regenerate.temperature > 0:  # sampled answers are a function of the seed
         extra = ("seed", recipe.seed)
+    elif stage == "train" and recipe.train.keep_best == "sampled":  # the best is picked at evaluate's temperature
+        extra = ("sample_temperature", heldout_sample_temperature(recipe))
     return fingerprint(stage, cfg, target_fingerprint(recipe), up, extra)
 
 

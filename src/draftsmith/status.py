@@ -184,7 +184,8 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
     over = held.get("overfitting")
     if over:
         out.append({"kind": "overfitting", "source": f"{_mf('train')}: metrics.heldout.overfitting",
-                    "text": f"held-out simulated τ fell from {over['heldout_from']:.3g} (step {over['from_step']}) to "
+                    "text": f"held-out {'sampled' if held.get('best_by') == 'sampled' else 'simulated'} τ fell from "
+                            f"{over['heldout_from']:.3g} (step {over['from_step']}) to "
                             f"{over['heldout_to']:.3g} (step {over['to_step']}) while the training figure rose from "
                             f"{over['train_from']:.3g} to {over['train_to']:.3g}: the drafter is memorizing its data",
                     "fix": "train on more conversations (raise prepare.max_samples, with regenerate on) or for fewer "
@@ -498,6 +499,7 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
                    f"{h['samples']:,} held-out samples" if (h := m["metrics"].get("heldout")) else None, "metrics.heldout"),
         ("train", "held-out simulated τ of speculative sampling (best drafter)",
          lambda m: f"{h['best_tau_sampled']:.3g} at temperature {h['sample_temperature']:g}"
+                   + (" (train.keep_best: sampled, train/best chosen by it)" if h.get("best_by") == "sampled" else "")
          if (h := m["metrics"].get("heldout")) and h.get("best_tau_sampled") is not None else None, "metrics.heldout.best_tau_sampled"),
         ("train", "held-out τ measured by the engine (greedy chain)", lambda m: _engine_fact((m["metrics"].get("heldout") or {}).get("engine")),
          "metrics.heldout.engine"),

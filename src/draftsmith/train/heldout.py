@@ -4,16 +4,17 @@ engine's measured tau on held-out prompts at the end.
 
     conversation_keys(source_ids, sample_index) -> each sample's conversation (ShareGPT parts joined)
     split_by_conversation(conversations, heldout, seed) -> (train ids, held-out ids)
-    overfitting(evals)       -> {from_step, to_step, heldout_from, heldout_to, train_from, train_to} | None
-    heldout_record(evals, best, samples, conversations) -> manifest["metrics"]["heldout"] (status.py reads it)
-    plot_learning_curve(evals, steps) -> PNG bytes (held-out and train simulated tau vs tokens seen)
+    overfitting(evals, key)  -> {from_step, to_step, heldout_from, heldout_to, train_from, train_to} | None
+    heldout_record(evals, best, samples, conversations, keep_best) -> manifest["metrics"]["heldout"] (status.py reads it)
+    plot_learning_curve(evals, steps, key) -> PNG bytes (held-out and train simulated tau vs tokens seen)
     engine_prompts(...) / engine_record(...) -> metrics.heldout.engine: tau of evaluate's decoding on held-out prompts
 
 An eval record (train/eval.jsonl) is {step, tokens_seen, loss, acc, tau, weight, accept, tau_sampled,
 sample_temperature, train_acc, train_tau}: held-out teacher-forced accuracy per TTT position and its
 simulated tau (greedy decoding), the expected acceptance of speculative sampling per position at
 sample_temperature (evaluate.temperature, or 1 when evaluate is greedy) and its simulated tau, beside
-the training figures of the same moment (the mean over the last log_every steps).
+the training figures of the same moment (the mean over the last log_every steps). train/best is the
+evaluation with the best tau, or tau_sampled with train.keep_best sampled (BEST_FIGURES).
 """
 from __future__ import annotations
 
@@ -101,50 +102,55 @@ def split_by_conversation(conversations: Sequence[Hashable], heldout: int, seed:
     return [j for j in range(n) if j not in out], sorted(held)
 
 
-def best_of(evals: Sequence[dict]) -> Optional[dict]:
-    """The first eval with the highest held-out simulated tau."""
+BEST_FIGURES = {"greedy": ("tau", "tau_simulated", "simulated tau"),
+                "sampled": ("tau_sampled", "tau_sampled", "sampled tau")}
+"""train.keep_best -> (its key in an eval record, its key in best/best.json, its name in the log)."""
+
+
+def best_of(evals: Sequence[dict], key: str = "tau") -> Optional[dict]:
+    """The first eval with the highest held-out figure `key` (an eval record's tau or tau_sampled)."""
     best = None
     for e in evals:
-        if best is None or e["tau"] > best["tau"]:
+        if best is None or e[key] > best[key]:
             best = e
     return best
 
 
-def overfitting(evals: Sequence[dict]) -> Optional[dict]:
-    """Held-out simulated tau has fallen below its best for the last FALLING_EVALS evaluations
+def overfitting(evals: Sequence[dict], key: str = "tau") -> Optional[dict]:
+    """The held-out figure `key` has fallen below its best for the last FALLING_EVALS evaluations
     (by more than FALL_TOLERANCE), while the training figure (simulated tau of the training
     accuracy) rose since the best: the drafter is memorizing. None otherwise."""
-    best = best_of(evals)
+    best = best_of(evals, key)
     if best is None:
         return None
     after = [e for e in evals if e["step"] > best["step"]]
     last = evals[-1]
-    if len(after) < FALLING_EVALS or any(e["tau"] >= best["tau"] * (1 - FALL_TOLERANCE) for e in after[-FALLING_EVALS:]):
+    if len(after) < FALLING_EVALS or any(e[key] >= best[key] * (1 - FALL_TOLERANCE) for e in after[-FALLING_EVALS:]):
         return None
     if last.get("train_tau") is None or best.get("train_tau") is None or last["train_tau"] <= best["train_tau"]:
         return None
-    return {"from_step": best["step"], "to_step": last["step"], "heldout_from": best["tau"], "heldout_to": last["tau"],
+    return {"from_step": best["step"], "to_step": last["step"], "heldout_from": best[key], "heldout_to": last[key],
             "train_from": best["train_tau"], "train_to": last["train_tau"]}
 
 
-def heldout_record(evals: Sequence[dict], best: dict, samples: int, conversations: int) -> dict:
+def heldout_record(evals: Sequence[dict], best: dict, samples: int, conversations: int, keep_best: str = "greedy") -> dict:
     """manifest["metrics"]["heldout"]: what status.py shows and its findings read. `best` is
-    train/best/best.json (the drafter kept)."""
+    train/best/best.json (the drafter kept, by train.keep_best's figure)."""
     last = evals[-1] if evals else {}
-    return {"samples": samples, "conversations": conversations, "evaluations": len(evals),
+    return {"samples": samples, "conversations": conversations, "evaluations": len(evals), "best_by": keep_best,
             "best_step": best.get("step"), "best_tau_simulated": best.get("tau_simulated"),
             "best_acc_per_position": best.get("acc"), "best_tau_sampled": best.get("tau_sampled"),
             "best_accept_sampled_per_position": best.get("accept_sampled"), "sample_temperature": best.get("sample_temperature"),
             "last_step": last.get("step"), "last_tau_simulated": last.get("tau"), "last_acc_per_position": last.get("acc"),
             "last_tau_sampled": last.get("tau_sampled"),
             "still_improving": bool(evals) and best.get("step") == last.get("step"),
-            "overfitting": overfitting(evals)}
+            "overfitting": overfitting(evals, BEST_FIGURES[keep_best][0])}
 
 
-def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict]) -> bytes:
-    """Simulated tau against training tokens seen: held-out at each evaluation (the best marked;
-    greedy, and of speculative sampling), train as the mean over each evaluation's window and,
-    faintly, per step."""
+def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict], key: str = "tau") -> bytes:
+    """Simulated tau against training tokens seen: held-out at each evaluation (greedy, and of
+    speculative sampling; the best by figure `key` marked), train as the mean over each
+    evaluation's window and, faintly, per step."""
     # why here: matplotlib takes about 0.7 s to import, and only this function draws
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -166,10 +172,10 @@ def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict]) -> bytes:
     if evals and all("tau_sampled" in e for e in evals):
         ax.plot(ex, [e["tau_sampled"] for e in evals], "s--", color="tab:green", markersize=3,
                 label=f"held-out, sampling at T {evals[-1]['sample_temperature']:g}")
-    best = best_of(evals)
+    best = best_of(evals, key)
     if best is not None:
-        ax.plot([best["tokens_seen"]], [best["tau"]], "*", color="tab:red", markersize=12,
-                label=f"best held-out {best['tau']:.3f} (step {best['step']})")
+        ax.plot([best["tokens_seen"]], [best[key]], "*", color="tab:red", markersize=12,
+                label=f"best held-out {best[key]:.3f} (step {best['step']})")
     ax.set(xlabel="training tokens seen", ylabel="simulated τ (teacher-forced)", title="learning curve")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

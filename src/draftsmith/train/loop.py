@@ -7,7 +7,8 @@ embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/eval.jsonl        held-out evaluations (heldout.py: accuracy per position, simulated tau, train figures)
     train/learning_curve.png  held-out and train simulated tau against tokens seen (rewritten at every eval)
     train/tensorboard/      the same as TensorBoard scalars, plus tokens/s, MFU, peak memory
-    train/best/             the drafter with the best held-out simulated tau so far, best.json its record
+    train/best/             the drafter with the best held-out figure so far (train.keep_best: simulated tau of
+                            greedy decoding, or of speculative sampling), best.json its record
     train/drafter/          THE drafter, what evaluate and export read (config.json + model.safetensors,
                             draft/io.py's save_drafter): with held-out samples, a copy of best/ at the
                             end; without, the last step's
@@ -67,7 +68,7 @@ from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_writ
                          atomic_write_text, finish_manifest, fingerprint, load_manifest, log, new_manifest, read_json,
                          read_jsonl, remove_temp_files, replace_dir, require_complete, rerun_command, sha256_file,
                          stage_dir, temp_dir, to_jsonable, token_stage, verify_shards, write_manifest)
-from ..config import Recipe, check_recipe
+from ..config import Recipe, check_recipe, heldout_sample_temperature
 from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
                            rank_device)
 from ..draft.build import drafter_config, init_drafter
@@ -80,8 +81,8 @@ from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .flops import peak_flops, train_flops_per_token
-from .heldout import (conversation_keys, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record, overfitting,
-                      plot_learning_curve, split_by_conversation)
+from .heldout import (BEST_FIGURES, conversation_keys, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record,
+                      overfitting, plot_learning_curve, split_by_conversation)
 from .ttt import TTTLoss, position_weights, simulated_tau
 
 MAX_NONFINITE_IN_A_ROW = 10
@@ -396,12 +397,13 @@ class Progress:
     position: int = 0  # micro-batches of the epoch's plan already taken
     skipped: int = 0  # non-finite steps so far
     in_a_row: int = 0
-    best_tau: float | None = None  # best held-out simulated tau so far
+    best_tau: float | None = None  # best held-out figure so far (train.keep_best's)
     tokens_seen: int = 0  # training tokens of the steps so far (real tokens, no padding)
     train_s: float = 0.0  # seconds in the training loop, over all sessions (train.max_minutes)
 
 
-def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: DistInfo) -> tuple[Progress, list[dict]]:
+def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: DistInfo,
+           best_key: str = "tau_simulated") -> tuple[Progress, list[dict]]:
     """Fill the model and optimizers from checkpoint `latest` and cut metrics.jsonl / eval.jsonl
     back to its step (a crash may have torn a last line, or logged steps past it); returns the
     progress and the metrics records kept. Without a checkpoint: a fresh start, both files removed."""
@@ -426,11 +428,11 @@ def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: Dis
         if info.is_main:
             atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept[path]))
     prog.tokens_seen = sum(r["tokens"] for r in kept[metrics_path])
-    # best/ holds a drafter really measured at its recorded tau (possibly at a step past the
+    # best/ holds a drafter really measured at its recorded figure (possibly at a step past the
     # checkpoint, saved before the crash): its record is the best to beat.
     best = read_json_safe(out_dir / "best" / "best.json")
-    if "tau_simulated" in best:
-        prog.best_tau = best["tau_simulated"]
+    if best_key in best:
+        prog.best_tau = best[best_key]
     if info.is_main:
         log(f"[train] resuming from {latest.name} (saved at world size {meta.get('world_size', 1)}): "
             f"step {prog.step}/{meta.get('total_steps')}, epoch {prog.epoch}, batch {prog.position}")
@@ -492,7 +494,12 @@ class Trainer:
     @property
     def sample_temperature(self) -> float:
         """The temperature of the held-out sampled acceptance: evaluate's when it samples, else 1."""
-        return float(self.recipe.evaluate.temperature) or 1.0
+        return heldout_sample_temperature(self.recipe)
+
+    @property
+    def best_figure(self) -> tuple[str, str, str]:
+        """train.keep_best's figure: (eval record key, best.json key, name), heldout.BEST_FIGURES."""
+        return BEST_FIGURES[self.tc.keep_best]
 
     def plan_of(self, epoch: int) -> list[list[int]]:
         """Epoch `epoch`'s micro-batches (sample ids), a function of (seed, epoch) alone."""
@@ -606,9 +613,10 @@ class Trainer:
         ev = {**self.evaluate_heldout(loader, prog.step), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"],
               "train_tau": tw["tau"]}
         evals.append(ev)
-        better = prog.best_tau is None or ev["tau"] > prog.best_tau
+        key, _, name = self.best_figure
+        better = prog.best_tau is None or ev[key] > prog.best_tau
         if better:
-            prog.best_tau = ev["tau"]
+            prog.best_tau = ev[key]
         best = full_drafter(self.tr.model, self.cfg, self.info) if better else None  # a collective: every rank
         if not self.main:
             return
@@ -619,23 +627,25 @@ class Trainer:
         writer.add_scalar("eval/tau_sampled", ev["tau_sampled"], step)
         for i, a in enumerate(ev["acc"]):
             writer.add_scalar(f"eval/acc_{i}", a, step)
+        mark = {key: " (best)" if better else f" (best {prog.best_tau:.2f})"}
         log(f"[train] eval step {step}: held-out loss {ev['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in ev['acc'])} | "
-            f"simulated tau {ev['tau']:.2f}" + (" (best)" if better else f" (best {prog.best_tau:.2f})")
-            + f" | sampled at T {ev['sample_temperature']:g}: accept {' '.join(f'{a:.2f}' for a in ev['accept'])}, "
-            f"tau {ev['tau_sampled']:.2f} | train tau {ev['train_tau']:.2f}")
+            f"simulated tau {ev['tau']:.2f}{mark.get('tau', '')} | sampled at T {ev['sample_temperature']:g}: accept "
+            f"{' '.join(f'{a:.2f}' for a in ev['accept'])}, tau {ev['tau_sampled']:.2f}{mark.get('tau_sampled', '')} | "
+            f"train tau {ev['train_tau']:.2f}")
         if better:
             _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
                                                           "acc": ev["acc"], "tokens_seen": ev["tokens_seen"],
                                                           "accept_sampled": ev["accept"], "tau_sampled": ev["tau_sampled"],
-                                                          "sample_temperature": ev["sample_temperature"]})
-        over = overfitting(evals)
+                                                          "sample_temperature": ev["sample_temperature"],
+                                                          "best_by": self.tc.keep_best})
+        over = overfitting(evals, key)
         if over and not self.overfit_named:
             self.overfit_named = True
-            log(f"[train] OVERFITTING: held-out simulated tau fell from {over['heldout_from']:.3f} (step {over['from_step']}) "
+            log(f"[train] OVERFITTING: held-out {name} fell from {over['heldout_from']:.3f} (step {over['from_step']}) "
                 f"to {over['heldout_to']:.3f} (step {over['to_step']}) while train simulated tau rose from "
                 f"{over['train_from']:.3f} to {over['train_to']:.3f}; train/best keeps step {over['from_step']}'s drafter "
                 "(more conversations or fewer epochs would help)")
-        atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(out_dir / METRICS_FILE)))
+        atomic_write_bytes(out_dir / CURVE_FILE, plot_learning_curve(evals, read_jsonl(out_dir / METRICS_FILE), key))
 
     def checkpoint_meta(self, prog: Progress) -> dict:
         return {"fingerprint": self.fp, "epoch": prog.epoch, "position": prog.position, "total_steps": self.total_steps,
@@ -730,7 +740,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     (evaluating on the held-out samples and saving checkpoints as they fall due), finish."""
     t = setup(recipe, Path(recipe.run_dir if run_dir is None else run_dir), fp)
     tc, info, main, out_dir, device = t.tc, t.info, t.main, t.out_dir, t.info.device
-    prog, window_recs = resume(t.latest, t.tr, fp, out_dir, info)
+    prog, window_recs = resume(t.latest, t.tr, fp, out_dir, info, t.best_figure[1])
     metrics_path = out_dir / METRICS_FILE
     window: deque = deque(window_recs, maxlen=max(1, tc.log_every))
     evals = [r for r in read_jsonl(out_dir / EVAL_FILE)] if t.heldout_ids else []
@@ -861,7 +871,7 @@ def finish(t: Trainer, prog: Progress, stopped: str, window: deque, evals: list[
     w = _window_metrics(window, t.k)
     manifest["output_fingerprint"] = fingerprint(t.fp, sha)  # downstream reruns when a continued run changed the drafter
     manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(t.cfg),
-                           "from": f"best held-out simulated tau (step {best_rec['step']})" if best_rec else f"last step ({step})"}
+                           "from": f"best held-out {t.best_figure[2]} (step {best_rec['step']})" if best_rec else f"last step ({step})"}
     manifest["device"], manifest["compute_dtype"] = device.type, str(t.compute_dtype).replace("torch.", "")
     manifest["world_size"] = info.world_size
     manifest["stopped"] = stopped  # steps: the planned step count (max_steps / max_tokens / epochs); budget: max_minutes
@@ -879,7 +889,8 @@ def finish(t: Trainer, prog: Progress, stopped: str, window: deque, evals: list[
     if best_rec:
         held = t.heldout_ids
         manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
-        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(held), len({t.conversations[j] for j in held}))
+        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(held), len({t.conversations[j] for j in held}),
+                                                       t.tc.keep_best)
         manifest["best"] = {"dir": "best", **best_rec}
         if tc.heldout_engine_prompts > 0:
             t0 = time.time()
