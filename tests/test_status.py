@@ -337,3 +337,32 @@ def test_a_drafter_trained_for_greedy_decoding_but_evaluated_by_sampling_is_a_fi
     assert "evaluate.temperature" in found["fix"]
     _set(run, "evaluate", metrics={"methods": {**wins, "ngram": {"tau": 2.6, "speedup": 2.0}}})
     assert [f["kind"] for f in status.collect(run)["findings"]] == ["loses_to_ngram", "greedy_eval_of_sampled_answers"]
+
+
+def test_a_drafter_kept_by_its_greedy_figure_but_served_by_sampling_is_a_finding(tmp_path):
+    """train.keep_best greedy keeps the step with the best held-out greedy figure; when evaluate samples
+    and another step had a better held-out sampled figure, status names both steps and keep_best sampled.
+    Not when evaluate is greedy, the drafter was kept by the sampled figure, both figures pick the same
+    step, or the run is from before the record had the sampled best."""
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    wins = {"eagle3_tree": {"tau": 3.9, "speedup": 2.0}, "ngram": {"tau": 1.02, "speedup": 0.85}}
+    _set(run, "train", config={"train": {"ttt_target_temperature": 1.0}})
+    _set(run, "evaluate", config={"temperature": 1.0}, metrics={"methods": wins})
+    held = {"samples": 256, "best_step": 300, "best_tau_simulated": 4.5, "last_tau_simulated": 4.4, "best_tau_sampled": 3.61,
+            "sample_temperature": 1.0, "best_acc_per_position": [0.8] * 3, "still_improving": False, "overfitting": None}
+    _set(run, "train", metrics={"heldout": held})
+    assert status.collect(run)["findings"] == []  # a run from before the record had the sampled best
+    _set(run, "train", metrics={"heldout": {**held, "best_by": "greedy", "sampled_best_step": 400, "sampled_best_tau": 3.74}})
+    st = status.collect(run)
+    (found,) = st["findings"]
+    assert found["kind"] == "kept_for_greedy_decoding"
+    assert ("train/best kept step 300 by held-out greedy simulated τ (its held-out sampled τ at T 1: 3.61); step 400 had "
+            "the best held-out sampled τ, 3.74") in found["text"]
+    assert "train.keep_best sampled" in found["fix"] and "train/best kept step 300" in st["next_step"]["text"]
+    _set(run, "evaluate", config={"temperature": 0.0})
+    assert status.collect(run)["findings"] == []  # a greedy server: the greedy figure is the one to keep by
+    _set(run, "evaluate", config={"temperature": 1.0})
+    for other in ({"best_by": "sampled", "sampled_best_step": 300, "sampled_best_tau": 3.61},
+                  {"best_by": "greedy", "sampled_best_step": 300, "sampled_best_tau": 3.61}):
+        _set(run, "train", metrics={"heldout": {**held, **other}})
+        assert status.collect(run)["findings"] == []

@@ -398,6 +398,7 @@ def test_keep_best_picks_by_its_figure_and_resumes_with_it(tmp_path, target_dir,
     best = read_json(train / "best" / "best.json")
     held = m["metrics"]["heldout"]
     assert (best["step"], best["best_by"], held["best_step"], held["best_by"]) == (want, keep_best, want, keep_best)
+    assert (held["sampled_best_step"], held["sampled_best_tau"]) == (4, 96.0)  # what keep_best sampled keeps, either way
     name = "sampled tau" if keep_best == "sampled" else "simulated tau"
     assert m["drafter"]["from"] == f"best held-out {name} (step {want})"
     ws = {d: load_file(str(train / d / "model.safetensors")) for d in ("drafter", "best")}

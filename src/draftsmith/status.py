@@ -242,6 +242,16 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                             "under greedy decoding; BENCHMARKS.md, twenty-first session)",
                     "fix": f"for a server that samples, regenerate at its temperature (regenerate.temperature {t_served:g}); "
                            "keep greedy answers for a greedy server"})
+    s_step, s_tau, kept_tau = held.get("sampled_best_step"), held.get("sampled_best_tau"), held.get("best_tau_sampled")
+    if (t_served > 0 and held.get("best_by", "greedy") == "greedy" and s_step is not None and kept_tau is not None
+            and s_step != held.get("best_step") and s_tau > kept_tau):
+        out.append({"kind": "kept_for_greedy_decoding", "source": f"{_mf('train')}: metrics.heldout; "
+                                                                 f"{_mf('evaluate')}: config.temperature",
+                    "text": f"evaluate samples at temperature {t_served:g}, but train/best kept step {held.get('best_step')} by "
+                            f"held-out greedy simulated τ (its held-out sampled τ at T {held.get('sample_temperature'):g}: "
+                            f"{kept_tau:.3g}); step {s_step} had the best held-out sampled τ, {s_tau:.3g}",
+                    "fix": "train with train.keep_best sampled (as recipes/gpu.yaml does): train/best is then chosen by "
+                           "held-out τ of speculative sampling at evaluate.temperature"})
     fallbacks = _get(ev or {}, "metrics.capture_fallbacks")
     if fallbacks:  # those calls ran eagerly: the speedups are not the graphs path's
         out.append({"kind": "capture_fallbacks", "source": f"{_mf('evaluate')}: metrics.capture_fallbacks",

@@ -137,12 +137,15 @@ def heldout_record(evals: Sequence[dict], best: dict, samples: int, conversation
     """manifest["metrics"]["heldout"]: what status.py shows and its findings read. `best` is
     train/best/best.json (the drafter kept, by train.keep_best's figure)."""
     last = evals[-1] if evals else {}
+    by_sampled = best_of([e for e in evals if e.get("tau_sampled") is not None], "tau_sampled") or {}
     return {"samples": samples, "conversations": conversations, "evaluations": len(evals), "best_by": keep_best,
             "best_step": best.get("step"), "best_tau_simulated": best.get("tau_simulated"),
             "best_acc_per_position": best.get("acc"), "best_tau_sampled": best.get("tau_sampled"),
             "best_accept_sampled_per_position": best.get("accept_sampled"), "sample_temperature": best.get("sample_temperature"),
             "last_step": last.get("step"), "last_tau_simulated": last.get("tau"), "last_acc_per_position": last.get("acc"),
             "last_tau_sampled": last.get("tau_sampled"),
+            # the evaluation keep_best sampled would keep (status names it when evaluate samples and it differs)
+            "sampled_best_step": by_sampled.get("step"), "sampled_best_tau": by_sampled.get("tau_sampled"),
             "still_improving": bool(evals) and best.get("step") == last.get("step"),
             "overfitting": overfitting(evals, BEST_FIGURES[keep_best][0])}
 
