@@ -188,3 +188,10 @@ for s in $STEPS; do case $s in
   *) echo "unknown step $s" ;;
 esac; done
 ls -la "$OUT"
+# The device returns at most 8 files of $OUT (16 MiB each): with more, pack them all into one archive
+# (`tar xzf bundle.tar.gz` where the results go) so that none is dropped; left loose if it is too big.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/bundle.tar.gz -C "$OUT" . && [ "$(stat -c %s /tmp/bundle.tar.gz)" -lt 16000000 ] \
+    && find "$OUT" -mindepth 1 -delete && mv /tmp/bundle.tar.gz "$OUT/bundle.tar.gz" \
+    && echo "h200.sh: $OUT packed into bundle.tar.gz (more than the 8 files a device call returns)"
+fi

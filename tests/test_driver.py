@@ -41,3 +41,22 @@ def test_no_jsonargparse_and_no_whl_stops_the_call(tmp_path):
     rc, lines = drive(tmp_path, "engine", python=f"{sys.executable} -S")  # -S: no site-packages
     assert rc == 2
     assert lines == [f"h200.sh: jsonargparse is not importable and .whl/site is missing: {FIX}"]
+
+
+def test_more_files_than_a_device_call_returns_come_back_as_one_archive(tmp_path):
+    """A device call returns at most 8 files of $OUT: with more, the driver packs them all into
+    bundle.tar.gz, every file inside, and leaves nothing else (a loose file could be the one dropped)."""
+    import tarfile
+
+    steps = "engine engine2 verifyattn consistency fasttests residenttests write train kimi"
+    rc, lines = drive(tmp_path, steps)  # each fails at once (no scripts here), leaving its log: 9 logs + gpu.txt
+    assert rc == 0
+    assert lines[-1] == f"h200.sh: {tmp_path / 'out'} packed into bundle.tar.gz (more than the 8 files a device call returns)"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["bundle.tar.gz"]
+    with tarfile.open(tmp_path / "out" / "bundle.tar.gz") as tar:
+        names = sorted(n.removeprefix("./") for n in tar.getnames() if n != ".")
+    assert names == sorted(["gpu.txt"] + [f"{s}.log" for s in steps.split()])
+    few = tmp_path / "few"
+    few.mkdir()
+    rc, _ = drive(few, "write")
+    assert rc == 0 and sorted(p.name for p in (few / "out").iterdir()) == ["gpu.txt", "write.log"]  # left loose
