@@ -87,10 +87,18 @@ def test_run_then_skip(tmp_path, target, capsys):
     assert [e["event"] for e in new if e["event"].startswith("stage_")] == ["stage_skipped"] * 6
     assert (run_dir / "train" / "drafter" / "model.safetensors").read_bytes() == drafter
     assert {s["stage"]: s["state"] for s in collect(run_dir)["stages"]}["train"] == "done"
-    # Changing a train setting reruns train and what follows it, not what precedes it.
+    # Changing a train setting reruns train and what follows it, not what precedes it, and says what changed.
+    capsys.readouterr()
     assert main(["train", str(recipe), "--train.lr", "0.001"]) == 0
     started = [e["stage"] for e in Ledger(run_dir).read() if e["event"] == "stage_started"]
     assert started[-1] == "train"
+    assert "[train] changed since its output: train.lr 0.003 -> 0.001; starting the stage over" in capsys.readouterr().err
+    assert main(["vocab", str(recipe), "--train.lr", "0.001", "--vocab.draft_vocab_size", "64"]) == 0
+    assert main(["run", str(recipe), "--train.lr", "0.001", "--vocab.draft_vocab_size", "64"]) == 0
+    printed = capsys.readouterr().err
+    assert "[vocab] changed since its output: vocab.draft_vocab_size 128 -> 64; starting the stage over" in printed
+    assert "[train] changed since its output: vocab's output; starting the stage over" in printed
+    assert "[evaluate] changed since its output: train's output" in printed
 
 
 def test_stage_table_is_what_the_cli_and_status_list(capsys):
@@ -401,3 +409,22 @@ def test_keep_best_sampled_ties_train_to_the_serving_temperature(tmp_path, targe
     monkeypatch.setattr(pl, "to_jsonable", lambda x: {k: v for k, v in real(x).items() if k != "keep_best"}
                         if isinstance(real(x), dict) else real(x))
     assert pl.stage_fingerprint("train", recipe, run) == greedy
+
+
+def test_what_changed_reads_like_the_recipe(tmp_path, target):
+    """A rerun names what changed since the complete output: keys as recipe flags (a key added later
+    reads as the value older runs had), the target, upstream outputs, the stage's extra input."""
+    import draftsmith.pipeline as pl
+    from draftsmith.config import parse_recipe
+
+    recipe, _ = parse_recipe([str(write_recipe(tmp_path, target, tmp_path / "run"))])
+    parts = pl.fingerprint_parts("train", recipe, tmp_path / "run")
+    assert pl.what_changed("train", parts, parts) == []
+    new = {**parts, "config": {**parts["config"], "train": {**parts["config"]["train"], "lr": 1e-3, "keep_best": "sampled"}},
+           "target": "another", "upstream": {u: "other" for u in parts["upstream"]}, "extra": ["sample_temperature", 0.7]}
+    assert pl.what_changed("train", parts, new) == [
+        "train.keep_best \"greedy\" -> \"sampled\"", "train.lr 0.003 -> 0.001", "the target (its files, aux_layer_ids or dtype)",
+        *[f"{u}'s output" for u in parts["upstream"]],
+        "the temperature train.keep_best sampled picks at (evaluate.temperature, 1 when greedy) null -> 0.7"]
+    assert pl.what_changed("prepare", {**parts, "extra": "abc"}, {**parts, "extra": "def"}) == [
+        "the source's content (prepare.source)"]

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -105,6 +106,17 @@ default retrains the runs it changes (not only the value of the config's default
 
 
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
+    return fingerprint_of_parts(stage, fingerprint_parts(stage, recipe, run_dir))
+
+
+def fingerprint_of_parts(stage: str, parts: dict) -> str:
+    return fingerprint(stage, parts["config"], parts["target"], parts["upstream"], parts["extra"])
+
+
+def fingerprint_parts(stage: str, recipe: Recipe, run_dir: Path) -> dict:
+    """What a stage's fingerprint hashes: {config (its sections, less what does not change its output),
+    target, upstream (each upstream stage's output fingerprint), extra}. The ledger keeps them with
+    each start, so a rerun can say what changed (what_changed)."""
     sections = sections_of(stage, recipe)
     up = {}
     for u in upstream_of(stage, recipe):
@@ -123,7 +135,48 @@ def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
         extra = ("seed", recipe.seed)
     elif stage == "train" and recipe.train.keep_best == "sampled":  # the best is picked at evaluate's temperature
         extra = ("sample_temperature", heldout_sample_temperature(recipe))
-    return fingerprint(stage, cfg, target_fingerprint(recipe), up, extra)
+    return to_jsonable({"config": cfg, "target": target_fingerprint(recipe), "upstream": up, "extra": extra})
+
+
+EXTRA_NAMES = {"prepare": "the source's content (prepare.source)", "regenerate": "the seed of sampled answers (seed)",
+               "train": "the temperature train.keep_best sampled picks at (evaluate.temperature, 1 when greedy)"}
+
+
+def what_changed(stage: str, old: dict, new: dict) -> list[str]:
+    """The differences between two fingerprint_parts of a stage, in words: `train.lr 0.003 -> 0.001`,
+    `vocab's output`, ... (a key added later reads as the value older runs had, ADDED_KEYS)."""
+    def flat(cfg: dict) -> dict:
+        return {f"{s}.{k}": v for s, sec in cfg.items() for k, v in (sec.items() if isinstance(sec, dict) else [("", sec)])}
+
+    def show(v: Any) -> str:
+        text = json.dumps(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    a, b = flat(old.get("config") or {}), flat(new["config"])
+    out = [f"{k} {show(a.get(k, ADDED_KEYS.get(k)))} -> {show(b.get(k, ADDED_KEYS.get(k)))}"
+           for k in sorted(a.keys() | b.keys()) if a.get(k, ADDED_KEYS.get(k)) != b.get(k, ADDED_KEYS.get(k))]
+    if old.get("target") != new["target"]:
+        out.append("the target (its files, aux_layer_ids or dtype)")
+    ups = old.get("upstream") or {}
+    out += [f"{u}'s output" for u in new["upstream"] if ups.get(u) != new["upstream"][u]]
+    if old.get("extra") != new["extra"]:  # prepare: a content hash; regenerate, train: (name, value) or None
+        value = lambda e: e[1] if isinstance(e, list) and len(e) == 2 else None  # noqa: E731
+        out.append(EXTRA_NAMES.get(stage, "extra")
+                   + ("" if stage == "prepare" else f" {show(value(old.get('extra')))} -> {show(value(new['extra']))}"))
+    return out
+
+
+def _changed_since(stage: str, run_dir: Path, m: dict, parts: dict) -> str:
+    """Why a stage whose output is for another fingerprint starts over, from the parts its ledger
+    start recorded; the generic reason for an output older than that record."""
+    for e in reversed(Ledger(run_dir).read()):
+        if e.get("event") == "stage_started" and e.get("stage") == stage and e.get("fingerprint") == m["fingerprint"]:
+            if e.get("fingerprint_parts"):
+                changed = what_changed(stage, e["fingerprint_parts"], parts)
+                if changed:
+                    return "changed since its output: " + "; ".join(changed)
+            break
+    return "inputs or config changed"
 
 
 def stage_status(run_dir: Path, stage: str) -> str:
@@ -192,7 +245,8 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
                 write_recipe(recipe, run_dir)
             raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run "
                                   f"{rerun_command(u, run_dir, force=False)} first (or {rerun_command('run', run_dir, force=False)})")
-    fp = stage_fingerprint(stage, recipe, run_dir)
+    parts = fingerprint_parts(stage, recipe, run_dir)
+    fp = fingerprint_of_parts(stage, parts)
     recipe_before = recipe_path.read_bytes() if recipe_path.exists() else None
     if is_main_rank():
         write_recipe(recipe, run_dir)
@@ -216,14 +270,15 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
     if verdict == "continue":
         log(f"[{stage}] {why}")
     if m is not None and (force or m["fingerprint"] != fp or verdict == "restart") and is_main_rank():
-        log(f"[{stage}] {'--force' if force else why or 'inputs or config changed'}; starting the stage over")
+        reason = "--force" if force else why or _changed_since(stage, run_dir, m, parts)
+        log(f"[{stage}] {reason}; starting the stage over")
         if m["status"] == "complete" and not prev.exists():
             out_dir.rename(prev)  # kept until the new run succeeds
         else:
             shutil.rmtree(out_dir)  # half-done output of other inputs (a complete one, if any, is in prev)
     resumed = (m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force) or verdict == "continue"
     pid = os.getpid()
-    ledger.append("stage_started", stage=stage, fingerprint=fp, resumed=resumed, pid=pid,
+    ledger.append("stage_started", stage=stage, fingerprint=fp, fingerprint_parts=parts, resumed=resumed, pid=pid,
                   pid_start=process_start_time(pid), cmdline=process_cmdline(pid), run_dir=str(run_dir.resolve()))
     t0 = time.time()
     try:
