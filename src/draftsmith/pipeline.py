@@ -245,8 +245,8 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
                 write_recipe(recipe, run_dir)
             raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run "
                                   f"{rerun_command(u, run_dir, force=False)} first (or {rerun_command('run', run_dir, force=False)})")
-    parts = fingerprint_parts(stage, recipe, run_dir)
-    fp = fingerprint_of_parts(stage, parts)
+    fp = stage_fingerprint(stage, recipe, run_dir)
+    parts = fingerprint_parts(stage, recipe, run_dir)  # what fp hashes, for the ledger (a rerun says what changed)
     recipe_before = recipe_path.read_bytes() if recipe_path.exists() else None
     if is_main_rank():
         write_recipe(recipe, run_dir)
