@@ -124,7 +124,7 @@ def fake_stage(monkeypatch):
     mod.run = run
     monkeypatch.setitem(pipeline.STAGE_TABLE, "prepare", dataclasses.replace(pipeline.STAGE_TABLE["prepare"], run=run,
                                                                                          distributed=True))
-    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir: "fp-prepare")
+    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir, parts=None: "fp-prepare")
     return mod
 
 
@@ -177,7 +177,7 @@ def test_a_refused_rerun_leaves_a_complete_stage_done(tmp_path, fake_stage, monk
 
     recipe = _tiny_recipe(tmp_path)
     run_dir, out = Path(recipe.run_dir), stage_dir(recipe.run_dir, "prepare")
-    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, r, d: f"fp-{r.prepare.max_length}")
+    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, r, d, parts=None: f"fp-{r.prepare.max_length}")
     pipeline.run_stage("prepare", recipe)
     done = load_manifest(out)
     kept = {p: p.read_bytes() for p in (run_dir / "recipe.yaml", out / MANIFEST)}

@@ -105,12 +105,10 @@ set to another value, so an older complete run stays complete, and a later chang
 default retrains the runs it changes (not only the value of the config's default at the time)."""
 
 
-def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path) -> str:
-    return fingerprint_of_parts(stage, fingerprint_parts(stage, recipe, run_dir))
-
-
-def fingerprint_of_parts(stage: str, parts: dict) -> str:
-    return fingerprint(stage, parts["config"], parts["target"], parts["upstream"], parts["extra"])
+def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path, parts: dict | None = None) -> str:
+    """The stage's fingerprint: a hash of its fingerprint_parts (pass them when already computed)."""
+    p = parts if parts is not None else fingerprint_parts(stage, recipe, run_dir)
+    return fingerprint(stage, p["config"], p["target"], p["upstream"], p["extra"])
 
 
 def fingerprint_parts(stage: str, recipe: Recipe, run_dir: Path) -> dict:
@@ -153,16 +151,17 @@ def what_changed(stage: str, old: dict, new: dict) -> list[str]:
         return text if len(text) <= 60 else text[:57] + "..."
 
     a, b = flat(old.get("config") or {}), flat(new["config"])
-    out = [f"{k} {show(a.get(k, ADDED_KEYS.get(k)))} -> {show(b.get(k, ADDED_KEYS.get(k)))}"
-           for k in sorted(a.keys() | b.keys()) if a.get(k, ADDED_KEYS.get(k)) != b.get(k, ADDED_KEYS.get(k))]
+    value = lambda cfg, k: cfg.get(k, ADDED_KEYS.get(k))  # noqa: E731 (a key left out of the parts: its older value)
+    out = [f"{k} {show(value(a, k))} -> {show(value(b, k))}"
+           for k in sorted(a.keys() | b.keys()) if value(a, k) != value(b, k)]
     if old.get("target") != new["target"]:
         out.append("the target (its files, aux_layer_ids or dtype)")
     ups = old.get("upstream") or {}
     out += [f"{u}'s output" for u in new["upstream"] if ups.get(u) != new["upstream"][u]]
     if old.get("extra") != new["extra"]:  # prepare: a content hash; regenerate, train: (name, value) or None
-        value = lambda e: e[1] if isinstance(e, list) and len(e) == 2 else None  # noqa: E731
+        named = lambda e: e[1] if isinstance(e, list) and len(e) == 2 else None  # noqa: E731
         out.append(EXTRA_NAMES.get(stage, "extra")
-                   + ("" if stage == "prepare" else f" {show(value(old.get('extra')))} -> {show(value(new['extra']))}"))
+                   + ("" if stage == "prepare" else f" {show(named(old.get('extra')))} -> {show(named(new['extra']))}"))
     return out
 
 
@@ -245,8 +244,8 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
                 write_recipe(recipe, run_dir)
             raise DraftsmithError(f"{stage_dir(run_dir, u) / 'manifest.json'}: stage {u} is not complete; run "
                                   f"{rerun_command(u, run_dir, force=False)} first (or {rerun_command('run', run_dir, force=False)})")
-    fp = stage_fingerprint(stage, recipe, run_dir)
     parts = fingerprint_parts(stage, recipe, run_dir)  # what fp hashes, for the ledger (a rerun says what changed)
+    fp = stage_fingerprint(stage, recipe, run_dir, parts)
     recipe_before = recipe_path.read_bytes() if recipe_path.exists() else None
     if is_main_rank():
         write_recipe(recipe, run_dir)
