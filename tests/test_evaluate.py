@@ -107,16 +107,26 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
     assert {r["key"]: r["prompt_ids"] for r in read_json(eval_dir + "/results.json")["prompts"]} == first
 
 
-def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):
-    real = measure.generate
+def break_the_tree(monkeypatch, only_prompt: int | None = None):
+    """The tree's output (not the warm-up's) made to leave plain decoding at new token 5: on every prompt,
+    or only on the `only_prompt`-th (0-based) it decodes. Returns the real measure.generate."""
+    real, seen = measure.generate, []
 
     def broken(target, proposer, prompts, n, *a, **kw):
         new, st = real(target, proposer, prompts, n, *a, **kw)
         if isinstance(proposer, measure.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
-            new[0][5] = (new[0][5] + 1) % target.vocab_size
+            if tuple(prompts[0]) not in seen:
+                seen.append(tuple(prompts[0]))
+            if only_prompt is None or seen.index(tuple(prompts[0])) == only_prompt:
+                new[0][5] = (new[0][5] + 1) % target.vocab_size
         return new, st
 
     monkeypatch.setattr(measure, "generate", broken)
+    return real
+
+
+def test_evaluate_lossless_mismatch_names_prompt(recipe, monkeypatch):
+    break_the_tree(monkeypatch)
     recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_tree"], [1], False
     with pytest.raises(DraftsmithError, match=r"prompt q0: eagle3_tree: speculative output differs .* at new token 5"):
         pipeline.run_stage("evaluate", recipe)
@@ -225,6 +235,45 @@ def test_evaluate_graphs_on_cpu_is_a_clear_error(recipe):
     recipe.evaluate.fast = "graphs"
     with pytest.raises(DraftsmithError, match="evaluate.fast 'graphs' needs a CUDA device"):
         pipeline.run_stage("evaluate", recipe)
+
+
+def test_a_lossless_stop_keeps_the_measured_turns(recipe, monkeypatch):
+    """The lossless check stops on the second prompt; its own fix (the check off) resumes the evaluation
+    with the first prompt's measurement kept. A half-done evaluation measured with the check off and resumed
+    with it on stops on the divergence it recorded; a complete one measured off starts over when it is on."""
+    real = break_the_tree(monkeypatch, only_prompt=1)
+    recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_tree"], [1], False
+    with pytest.raises(DraftsmithError, match=r"prompt q1: eagle3_tree: .* at new token 5 .*the turns measured so far are kept"):
+        pipeline.run_stage("evaluate", recipe)
+    eval_dir = Path(recipe.run_dir) / "eval"
+    assert [json.loads(line)["id"] for line in (eval_dir / "partial.jsonl").read_text().splitlines()] == ["q0"]
+
+    calls = []
+    real_prompt = stage.evaluate_prompt
+    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real_prompt(*a, **kw))
+    recipe.evaluate.check_lossless = False
+    m = pipeline.run_stage("evaluate", recipe)
+    assert m["status"] == "complete" and m["metrics"]["num_prompts"] == 5
+    assert [c.rsplit(": ", 1)[-1] for c in calls] == ["prompt q1", "prompt q2", "prompt mt", "prompt mt turn 2"]
+    q1 = read_json(eval_dir / "results.json")["prompts"][1]["methods"]["eagle3_tree"]
+    assert (q1["lossless"], q1["first_difference"], q1["divergence"]) == (False, 5, "bug")
+
+    monkeypatch.setattr(measure, "generate", real)  # from here only the recorded divergence can stop it
+    done = read_json(eval_dir / "manifest.json")
+    json.dump({**done, "status": "running"}, open(eval_dir / "manifest.json", "w"))  # as if killed at the end
+    recipe.evaluate.check_lossless = True
+    calls.clear()
+    with pytest.raises(DraftsmithError, match=r"prompt q1 \(measured with evaluate.check_lossless off\): eagle3_tree: .* "
+                                              r"at new token 5, .*logit gaps to its top: plain 0, speculative \d"):
+        pipeline.run_stage("evaluate", recipe)
+    assert calls == []  # nothing measured again
+
+    json.dump(done, open(eval_dir / "manifest.json", "w"))  # complete, measured with the check off
+    m = pipeline.run_stage("evaluate", recipe)  # the check is on: it starts over (and passes without the fault)
+    assert m["config"]["check_lossless"] is True and len(calls) == 5
+    recipe.evaluate.check_lossless = False
+    assert pipeline.run_stage("evaluate", recipe)["config"]["check_lossless"] is True  # done: checked is enough
+    assert Ledger(recipe.run_dir).read()[-1]["event"] == "stage_skipped"
 
 
 def test_divergence_classes():

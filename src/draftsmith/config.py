@@ -349,7 +349,8 @@ class EvaluateConfig:
     """Chain length k: tokens drafted per target verification."""
     check_lossless: bool = True
     """Assert that speculative output equals plain greedy output on every prompt (at temperature > 0,
-    whose outputs are draws: on the first 4 turns decoded greedily as well, 64 new tokens)."""
+    whose outputs are draws: on the first 4 turns decoded greedily as well, 64 new tokens). Turning it
+    off after it stopped resumes the evaluation with the turns already measured."""
     methods: list[str] = field(default_factory=lambda: list(EVALUATE_METHODS))
     """Decoders to measure: eagle3_chain, eagle3_tree, ngram (prompt lookup, the baseline), plain
     (the reference; always run)."""

@@ -105,6 +105,13 @@ set to another value, so an older complete run stays complete, and a later chang
 default retrains the runs it changes (not only the value of the config's default at the time)."""
 
 
+HASHED_AT = {"evaluate.check_lossless": True}
+"""Keys that never change a stage's output, hashed at one value (their default, so the fingerprints of
+runs made while they were hashed as set stay as they were): changing one resumes a half-done stage
+instead of starting it over. evaluate.check_lossless: its stop tells the user to turn it off, and the
+turns measured so far must survive that (a complete output measured with it off: evaluate.check_verdict)."""
+
+
 def stage_fingerprint(stage: str, recipe: Recipe, run_dir: Path, parts: dict | None = None) -> str:
     """The stage's fingerprint: a hash of its fingerprint_parts (pass them when already computed)."""
     p = parts if parts is not None else fingerprint_parts(stage, recipe, run_dir)
@@ -126,6 +133,10 @@ def fingerprint_parts(stage: str, recipe: Recipe, run_dir: Path) -> dict:
         section, name = key.split(".")
         if isinstance(cfg.get(section), dict) and (key not in ADDED_KEYS or cfg[section].get(name) == ADDED_KEYS[key]):
             cfg[section].pop(name, None)
+    for key, value in HASHED_AT.items():
+        section, name = key.split(".")
+        if isinstance(cfg.get(section), dict) and name in cfg[section]:
+            cfg[section][name] = value
     extra = None
     if stage == "prepare":  # the source's content, so an edited file reruns prepare
         extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
@@ -315,7 +326,12 @@ def _running_for(out_dir: Path, fp: str) -> bool:
         m = load_manifest(out_dir)
     except DraftsmithError:
         return False
-    return m is not None and m.get("status") == "running" and m.get("fingerprint") == fp and bool(m.get("shards"))
+    return (m is not None and m.get("status") == "running" and m.get("fingerprint") == fp
+            and (bool(m.get("shards")) or _nonempty(out_dir / "partial.jsonl")))  # evaluate's measured turns
+
+
+def _nonempty(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
 
 
 def _restore(out_dir: Path, prev: Path, quiet: bool = False) -> None:

@@ -52,7 +52,7 @@ STAGE_TABLE: dict[str, Stage] = {
     "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
                    ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict, distributed=True),
     "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
-                      ("train",)),
+                      ("train",), revisit=evaluate.check_verdict),
     "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),
 }
 """In run order; its names are config.STAGES (what status reads without importing the stages)."""

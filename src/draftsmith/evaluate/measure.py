@@ -185,13 +185,29 @@ def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, met
         if check and kind == "bug":
             got = spec[pos] if pos < len(spec) else "end"
             want = plain[pos] if pos < len(plain) else "end"
-            raise DraftsmithError(f"{where}: {method}: speculative output differs from plain greedy decoding at new token "
-                                  f"{pos} (plain {want}, speculative {got}), and an independent forward agrees with plain "
-                                  f"decoding: no rounding tie (logit gaps to its top: plain {_gap(gaps, 0)}, speculative "
-                                  f"{_gap(gaps, 1)}, tie tolerance {TIE_TOLERANCE.get(target.dtype, 1e-5):g}). This is a draftsmith bug "
-                                  "unless the target's routing or kernels differ by row count in this dtype; please report it "
-                                  "(set evaluate.check_lossless false to measure anyway)")
+            raise divergence_error(where, method, f"{pos} (plain {want}, speculative {got})", gaps, target.dtype)
     return rec
+
+
+def divergence_error(where: str, method: str, at: str, gaps, dtype) -> DraftsmithError:
+    """The lossless check's stop on a divergence classified `bug`; its fix (the check off) resumes the
+    evaluation: the turns measured so far are kept (evaluate.check_lossless is not in the stage's fingerprint)."""
+    return DraftsmithError(f"{where}: {method}: speculative output differs from plain greedy decoding at new token "
+                           f"{at}, and an independent forward agrees with plain decoding: no rounding tie (logit gaps to "
+                           f"its top: plain {_gap(gaps, 0)}, speculative {_gap(gaps, 1)}, tie tolerance "
+                           f"{TIE_TOLERANCE.get(dtype, 1e-5):g}). This is a draftsmith bug unless the target's routing or kernels "
+                           "differ by row count in this dtype; please report it (set evaluate.check_lossless false to measure "
+                           "anyway: the turns measured so far are kept)")
+
+
+def check_recorded(rec: dict, where: str, dtype) -> None:
+    """The lossless check on a turn measured earlier with it off (a resumed evaluation): raises on a
+    divergence recorded as `bug`, as lossless_check would have while measuring."""
+    for method, r in rec.get("methods", {}).items():
+        if r.get("divergence") == "bug":
+            gaps = None if r.get("gap_spec") is None else (r["gap_plain"], r["gap_spec"])
+            raise divergence_error(f"{where} (measured with evaluate.check_lossless off)", method,
+                                   str(r["first_difference"]), gaps, dtype)
 
 
 def evaluate_prompt(target, drafter, prompt_ids: list[int], cfg, methods: list[str], eos_ids: list[int],

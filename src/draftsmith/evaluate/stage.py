@@ -28,7 +28,8 @@ from ..draft.io import load_drafter, read_drafter_config
 from ..speculate.cache import CAPTURE_FALLBACKS, seeded_generator
 from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
-from .measure import DecodeRunners, check_methods, evaluate_batch, evaluate_prompt, method_depth, run_method, run_plain
+from .measure import (DecodeRunners, check_methods, check_recorded, evaluate_batch, evaluate_prompt, method_depth, run_method,
+                      run_plain)
 from .report import fmt, lossless_tally, plot_acceptance, print_table, render_report, summarize, table_rows
 
 PARTIAL = "partial.jsonl"
@@ -209,6 +210,8 @@ class Evaluation:
                         f"{fmt(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
                 else:
                     rec.setdefault("prompt_ids", ids)  # resumed from a partial.jsonl written before records kept them
+                    if cfg.check_lossless and cfg.temperature <= 0:  # it may have been measured with the check off
+                        check_recorded(rec, where, self.target.dtype)
                 records.append(rec)
                 answers.append(rec["plain_tokens"])
         return records, too_long
@@ -249,6 +252,15 @@ class Evaluation:
                         f"{m} speedup {fmt(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
                 out.append(rec)
         return out
+
+
+def check_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
+    """A complete evaluation is done whatever evaluate.check_lossless now says (it is hashed at one value,
+    pipeline.HASHED_AT), except one measured with the check off when it is now on: the check runs while
+    measuring, so that one starts over."""
+    if recipe.evaluate.check_lossless and manifest.get("config", {}).get("check_lossless") is False:
+        return "restart", "evaluate.check_lossless is on and this output was measured with it off"
+    return "done", ""
 
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
