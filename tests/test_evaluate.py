@@ -276,6 +276,26 @@ def test_a_lossless_stop_keeps_the_measured_turns(recipe, monkeypatch):
     assert Ledger(recipe.run_dir).read()[-1]["event"] == "stage_skipped"
 
 
+def test_a_lossless_stop_after_a_change_keeps_its_turns_not_the_old_output(recipe, monkeypatch):
+    """A complete evaluation, then another setting: the new run stops on the check at the second prompt. Its
+    measured turn stays (not the old output put back), and the check off resumes it."""
+    recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_tree"], [1], False
+    pipeline.run_stage("evaluate", recipe)
+    break_the_tree(monkeypatch, only_prompt=1)
+    recipe.evaluate.max_new_tokens = 10
+    with pytest.raises(DraftsmithError, match=r"prompt q1: eagle3_tree"):
+        pipeline.run_stage("evaluate", recipe)
+    eval_dir = Path(recipe.run_dir) / "eval"
+    assert load_manifest(eval_dir)["status"] == "running" and pipeline.previous_dir(eval_dir).is_dir()
+    calls = []
+    real_prompt = stage.evaluate_prompt
+    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real_prompt(*a, **kw))
+    recipe.evaluate.check_lossless = False
+    m = pipeline.run_stage("evaluate", recipe)
+    assert m["status"] == "complete" and m["config"]["max_new_tokens"] == 10 and "prompt q0" not in " ".join(calls)
+    assert not pipeline.previous_dir(eval_dir).exists()
+
+
 def test_divergence_classes():
     """A divergence is a bug only when an independent forward sides with plain decoding."""
     tol = measure.TIE_TOLERANCE[torch.bfloat16]
