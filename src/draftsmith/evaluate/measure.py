@@ -191,7 +191,7 @@ def lossless_check(target, prompt_ids, plain, spec, check: bool, where: str, met
 
 def divergence_error(where: str, method: str, at: str, gaps, dtype) -> DraftsmithError:
     """The lossless check's stop on a divergence classified `bug`; its fix (the check off) resumes the
-    evaluation: the turns measured so far are kept (evaluate.check_lossless is not in the stage's fingerprint)."""
+    evaluation: the turns measured so far are kept (evaluate.check_lossless is hashed at one value, pipeline.HASHED_AT)."""
     return DraftsmithError(f"{where}: {method}: speculative output differs from plain greedy decoding at new token "
                            f"{at}, and an independent forward agrees with plain decoding: no rounding tie (logit gaps to "
                            f"its top: plain {_gap(gaps, 0)}, speculative {_gap(gaps, 1)}, tie tolerance "
