@@ -86,6 +86,13 @@ def test_turn_two_follows_the_targets_answer(recipe, monkeypatch):
                                                        res["eos_ids"])
 
 
+def measured_turns(monkeypatch) -> list[str]:
+    """The `where` of every turn evaluate measures from now on (stage.evaluate_prompt's calls), in order."""
+    calls, real = [], stage.evaluate_prompt
+    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
+    return calls
+
+
 def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
     recipe.evaluate.methods, recipe.evaluate.batch_sizes, recipe.evaluate.step_costs = ["eagle3_chain"], [1], False
     pipeline.run_stage("evaluate", recipe)
@@ -97,9 +104,7 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
     lines = open(eval_dir + "/partial.jsonl").read().splitlines()
     old = [json.dumps({k: v for k, v in json.loads(line).items() if k != "prompt_ids"}) for line in lines[:2]]  # older code's
     open(eval_dir + "/partial.jsonl", "w").write("\n".join(old) + "\n" + lines[2][:20])  # torn last line
-    calls = []
-    real = stage.evaluate_prompt
-    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
+    calls = measured_turns(monkeypatch)
     m2 = pipeline.run_stage("evaluate", recipe)
     assert m2["status"] == "complete" and m2["metrics"]["num_prompts"] == 5
     assert [c.rsplit(": ", 1)[-1] for c in calls] == ["prompt q2", "prompt mt", "prompt mt turn 2"]
@@ -248,9 +253,7 @@ def test_a_lossless_stop_keeps_the_measured_turns(recipe, monkeypatch):
     eval_dir = Path(recipe.run_dir) / "eval"
     assert [json.loads(line)["id"] for line in (eval_dir / "partial.jsonl").read_text().splitlines()] == ["q0"]
 
-    calls = []
-    real_prompt = stage.evaluate_prompt
-    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real_prompt(*a, **kw))
+    calls = measured_turns(monkeypatch)
     recipe.evaluate.check_lossless = False
     m = pipeline.run_stage("evaluate", recipe)
     assert m["status"] == "complete" and m["metrics"]["num_prompts"] == 5
@@ -287,9 +290,7 @@ def test_a_lossless_stop_after_a_change_keeps_its_turns_not_the_old_output(recip
         pipeline.run_stage("evaluate", recipe)
     eval_dir = Path(recipe.run_dir) / "eval"
     assert load_manifest(eval_dir)["status"] == "running" and pipeline.previous_dir(eval_dir).is_dir()
-    calls = []
-    real_prompt = stage.evaluate_prompt
-    monkeypatch.setattr(stage, "evaluate_prompt", lambda *a, **kw: calls.append(a[-1]) or real_prompt(*a, **kw))
+    calls = measured_turns(monkeypatch)
     recipe.evaluate.check_lossless = False
     m = pipeline.run_stage("evaluate", recipe)
     assert m["status"] == "complete" and m["config"]["max_new_tokens"] == 10 and "prompt q0" not in " ".join(calls)

@@ -38,6 +38,7 @@ from .artifacts import (PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, 
                         relative_hint, rerun_command, stage_dir, to_jsonable)
 from .config import Recipe, heldout_sample_temperature
 from .data.readers import resolve_source
+from .evaluate.stage import PARTIAL as EVAL_PARTIAL
 from .stages import STAGE_TABLE
 
 
@@ -327,7 +328,7 @@ def _running_for(out_dir: Path, fp: str) -> bool:
     except DraftsmithError:
         return False
     return (m is not None and m.get("status") == "running" and m.get("fingerprint") == fp
-            and (bool(m.get("shards")) or _nonempty(out_dir / "partial.jsonl")))  # evaluate's measured turns
+            and (bool(m.get("shards")) or _nonempty(out_dir / EVAL_PARTIAL)))  # evaluate's measured turns
 
 
 def _nonempty(path: Path) -> bool:
