@@ -358,3 +358,42 @@ def test_ngram_lossless(target):
     plain = plain_generate(target, prompt, 30)
     spec, st = speculative_generate(target, NgramProposer(), prompt, 30, draft_steps=4)
     assert spec == plain and sum(st.drafted_per_round) > 0
+
+
+# ----------------------------------------------------------------------------- hybrid
+
+
+def test_graft_merges_shared_prefixes_and_keeps_the_tree():
+    from draftsmith.speculate.hybrid import graft
+    from draftsmith.speculate.tree import DraftTree
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 2])          # 5 -> 7 -> 8, and 6
+    g = graft(tree, [5, 7, 9, 4])                          # shares 5 -> 7, then branches
+    assert g.tokens[:4] == tree.tokens and g.parents[:4] == tree.parents
+    assert g.tokens[4:] == [9, 4] and g.parents[4:] == [2, 4]
+    assert graft(tree, []) is tree
+    g = graft(DraftTree(), [3, 3])                         # no drafter tree: the chain alone
+    assert g.tokens == [3, 3] and g.parents == [-1, 0]
+    q = torch.ones(10)
+    g = graft(DraftTree([5], [-1], [q]), [6])              # a sampled tree: the n-gram node is a point mass
+    assert g.q[0] is q and g.q[1] is None and g.parents == [-1, -1]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_hybrid_lossless_and_both_branches_accept(target, fitted, batch):
+    """One tree holding the drafter's nodes and a second proposer's chain: greedy output equals plain
+    decoding, with prompt lookup there and with a noisy oracle there, whose right drafts are accepted
+    past the drafter's depth (only the grafted chain reaches depth 4)."""
+    from draftsmith.speculate.hybrid import HybridProposer
+    prompts = [PROMPTS[2] * 3, PROMPTS[0], PROMPTS[1] * 4, PROMPTS[3]][:batch]
+    plains = [plain_generate(target, p, 24) for p in prompts]
+
+    def hybrid(second):
+        return HybridProposer(Eagle3Proposer(fitted, topk=3, budget=8), PerSequence(second), drafter_depth=3, ngram_depth=4)
+
+    new, _ = generate(target, hybrid([NgramProposer() for _ in prompts]), prompts, 24, depth=4)
+    assert new == plains
+    oracle = hybrid([OracleProposer(p + r, error_rate=0.3, seed=i) for i, (p, r) in enumerate(zip(prompts, plains))])
+    assert oracle.max_nodes == 12
+    new, stats = generate(target, oracle, prompts, 24, depth=4)
+    assert new == plains
+    assert any(4 in s.accepted_per_round for s in stats)

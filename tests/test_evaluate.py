@@ -51,7 +51,7 @@ def test_evaluate_stage(recipe, capsys):
     assert met["method"] == "eagle3_chain" and met["num_prompts"] == 5  # 3 prompts + both turns of `mt`
     assert len(met["accept_rate_per_position"]) == 3
     assert 1.0 <= met["tau"] <= 4.0 and met["speedup"] > 0 and met["tokens_per_s_plain"] > 0
-    assert set(met["methods"]) == {"eagle3_chain", "eagle3_tree", "ngram"} and set(met["batches"]["2"]) == set(met["methods"])
+    assert set(met["methods"]) == {"eagle3_chain", "eagle3_tree", "ngram", "hybrid"} and set(met["batches"]["2"]) == set(met["methods"])
     assert list(met["tau_per_benchmark"].values()) == [met["tau"]]
     sc = m["step_costs"]
     assert list(sc["target_forward_ms"]) == ["1", "2", "4", "8", "16", "32", "64"] and sc["draft_step_ms"] > 0

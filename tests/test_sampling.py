@@ -16,6 +16,7 @@ from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
+from draftsmith.speculate.hybrid import HybridProposer
 from draftsmith.speculate.ngram import NgramProposer
 from draftsmith.speculate.proposer import PerSequence
 from draftsmith.speculate.tree import DraftTree, accept_sampled
@@ -244,7 +245,7 @@ def exact_three(target, temperature: float = 1.0) -> dict:
 
 
 @pytest.mark.parametrize("method,temperature", [("eagle3_chain", 1.0), ("eagle3_tree", 1.0), ("ngram", 1.0),
-                                                ("eagle3_chain", 0.3), ("eagle3_tree", 0.3)])
+                                                ("hybrid", 1.0), ("eagle3_chain", 0.3), ("eagle3_tree", 0.3)])
 def test_sampled_decoding_matches_target_distribution(tiny, method, temperature):
     """The joint law of 3 sampled tokens is the target's at the sampling temperature: 1, and 0.3 (sharper than
     any recipe serves). N-gram only at 1: at 0.3 this target never accepts the prompt's n-gram, so that case
@@ -258,6 +259,9 @@ def test_sampled_decoding_matches_target_distribution(tiny, method, temperature)
             prop = Eagle3Proposer(drafter, topk=1, budget=2, temperature=temperature, generator=g)
         elif method == "eagle3_tree":
             prop = Eagle3Proposer(drafter, topk=3, budget=6, temperature=temperature, generator=g)
+        elif method == "hybrid":  # the sampled tree with the prompt's n-gram grafted on (point masses)
+            prop = HybridProposer(Eagle3Proposer(drafter, topk=3, budget=6, temperature=temperature, generator=g),
+                                  PerSequence([NgramProposer() for _ in range(batch)]), 2, 2)
         else:
             prop = PerSequence([NgramProposer() for _ in range(batch)])
         new, stats = generate(target, prop, [PROMPT] * batch, 3, depth=2, temperature=temperature, generator=g)

@@ -92,6 +92,9 @@ class RegenerateConfig:
     max_new_tokens: int = 1024
     """Longest answer; an answer cut here is left out and written to regen/errors.jsonl
     (unless keep_truncated)."""
+    max_turns: Optional[int] = None
+    """Regenerate at most this many assistant turns per conversation; the conversation ends after
+    the last (unset: every turn). 1 = first answers only, the cheapest data the target wrote."""
     keep_truncated: bool = False
     """Keep answers cut at max_new_tokens (the chat template still closes the turn). For small
     targets whose greedy answers rarely end, e.g. the quickstart's."""
@@ -329,7 +332,7 @@ class TrainConfig:
     and seed train the same drafter."""
 
 
-SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram")
+SPEC_METHODS = ("eagle3_chain", "eagle3_tree", "ngram", "hybrid")
 """The speculative decoders evaluate measures, in the order it runs them (evaluate/measure.py)."""
 EVALUATE_METHODS = (*SPEC_METHODS, "plain")
 """Every name evaluate.methods takes: the speculative decoders and plain decoding (the reference)."""
@@ -352,8 +355,9 @@ class EvaluateConfig:
     whose outputs are draws: on the first 4 turns decoded greedily as well, 64 new tokens). Turning it
     off after it stopped resumes the evaluation with the turns already measured."""
     methods: list[str] = field(default_factory=lambda: list(EVALUATE_METHODS))
-    """Decoders to measure: eagle3_chain, eagle3_tree, ngram (prompt lookup, the baseline), plain
-    (the reference; always run)."""
+    """Decoders to measure: eagle3_chain, eagle3_tree, ngram (prompt lookup, the baseline), hybrid
+    (the drafter's tree and the n-gram continuation in one verification tree), plain (the
+    reference; always run)."""
     max_turns: int = 2
     """Turns per multi-turn prompt (MT-Bench has 2); turn n follows the target's own answer to turn n-1."""
     tree_depth: int = 5
@@ -369,7 +373,12 @@ class EvaluateConfig:
     """Prompt lookup: tokens drafted per verification; unset: draft_steps. The baseline's own setting,
     so that evaluating a drafter at its trained depth does not shorten n-gram's drafts too."""
     temperature: float = 0.0
-    """0 = greedy (lossless check applies); > 0 samples, verified by speculative rejection sampling."""
+    """0 = greedy (lossless check applies); > 0 samples, verified by speculative rejection sampling.
+    The temperature you serve at: the headline figures, `status` and train.keep_best use it."""
+    temperatures: Optional[list[float]] = None
+    """Temperatures to measure at in one run, e.g. [0, 0.7, 1.0] (each row of results.json and each
+    table of the report names its own); `temperature` is measured too when the list leaves it out.
+    Unset: [temperature]."""
     seed: int = 0
     """Seed of the sampling generators (temperature > 0)."""
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -529,7 +538,8 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("prepare.max_length", p.max_length, 2, big, False), ("prepare.samples_per_shard", p.samples_per_shard, 1, 1 << 20, False),
         ("prepare.skip_samples", p.skip_samples, 0, None, False), ("prepare.max_samples", p.max_samples, 0, None, True),
         ("prepare.min_loss_tokens", p.min_loss_tokens, 1, big, False),
-        ("regenerate.max_new_tokens", r.max_new_tokens, 1, big, False), ("regenerate.batch_size", r.batch_size, 1, 1 << 16, False),
+        ("regenerate.max_new_tokens", r.max_new_tokens, 1, big, False), ("regenerate.max_turns", r.max_turns, 1, big, True),
+        ("regenerate.batch_size", r.batch_size, 1, 1 << 16, False),
         ("regenerate.concurrency", r.concurrency, 1, 1 << 12, False), ("regenerate.timeout_s", r.timeout_s, 1e-3, None, False),
         ("regenerate.max_retries", r.max_retries, 0, 100, False), ("regenerate.retry_delay_s", r.retry_delay_s, 0, 3600, False),
         ("regenerate.temperature", r.temperature, 0, 100, False),
@@ -635,6 +645,16 @@ def check_recipe(recipe: "Recipe", where: Where, only: Optional[tuple[str, ...]]
         check_methods(recipe.evaluate.methods, where)
     if wanted("export.formats"):
         check_formats(recipe.export.formats, where)
+    if wanted("evaluate.temperatures") and recipe.evaluate.temperatures is not None:
+        label, place = source_of(where, "evaluate.temperatures")
+        temps = recipe.evaluate.temperatures
+        if not isinstance(temps, (list, tuple)) or not temps:
+            raise DraftsmithError(f"{label}: evaluate.temperatures {temps!r} is empty or not a list; give a list such as "
+                                  f"[0, 0.7, 1.0], or leave it unset for evaluate.temperature alone, {place}")
+        for t in temps:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0 <= t <= 100:
+                raise DraftsmithError(f"{label}: evaluate.temperatures {list(temps)!r}: {t!r} is not a temperature (a number, "
+                                      f"0 for greedy, up to 100); fix the list {place}")
     if wanted("evaluate.batch_sizes") and not recipe.evaluate.batch_sizes:
         label, place = source_of(where, "evaluate.batch_sizes")
         raise DraftsmithError(f"{label}: evaluate.batch_sizes is empty; give at least one, e.g. [1], {place}")

@@ -83,6 +83,19 @@ def tree_tokens(accept: Union[float, Sequence[float]], nodes: int, max_depth: in
     return e, depth, max(depth_count)
 
 
+def hybrid_tokens(tree_accept: Sequence[float], ngram_accept: Sequence[float]) -> float:
+    """Expected tokens per verification of a tree and an n-gram chain in one tree, the two taken as
+    independent: a round accepts the longer path, so P(>= j accepted) = 1 - (1 - T_j)(1 - N_j) with
+    T_j, N_j the products of each one's per-depth acceptance up to j (0 past its depth)."""
+    def reach(a: Sequence[float], j: int) -> float:
+        r = 1.0
+        for x in a[:j]:
+            r *= x
+        return r if j <= len(a) else 0.0
+    depth = max(len(tree_accept), len(ngram_accept))
+    return 1.0 + sum(1 - (1 - reach(tree_accept, j)) * (1 - reach(ngram_accept, j)) for j in range(1, depth + 1))
+
+
 # ----------------------------------------------------------------------------- prediction
 
 
@@ -100,7 +113,8 @@ def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], 
             ks: Sequence[int] = KS, tree_budgets: Sequence[int] = TREE_BUDGETS,
             ngram_accept: Union[float, Sequence[float], None] = None, ngram_ms: float = 0.0,
             engine_trees: Sequence[tuple[int, int, int]] = (),
-            tree_accept: Union[float, Sequence[float], None] = None) -> dict:
+            tree_accept: Union[float, Sequence[float], None] = None,
+            hybrid_accept: Union[float, Sequence[float], None] = None) -> dict:
     """Predicted tokens per step and speedup of EAGLE-3 chains (k in ks), trees (draft-token
     budgets) and n-gram lookup, per batch size. `cost` is a StepCost or measured step costs
     ({"target_forward_ms": {"1": ms, ...}, "draft_step_ms": ms, optional "by_batch": {b: ...}}).
@@ -110,7 +124,13 @@ def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], 
     evaluate.tree_*: depth - 1 expansion steps of topk rows per sequence plus the committed-row feed,
     one verify over budget + 1 rows. Their tokens per step come from `tree_accept` when given (a
     tree's measured per-depth acceptance: E = 1 + sum_j prod_{i<=j} a_i, no model), else from the
-    sibling model of tree_tokens."""
+    sibling model of tree_tokens.
+
+    With n-gram acceptance and an engine tree, a `hybrid` row per tree: the tree with the best n-gram
+    row's k-token chain grafted on, one verify over budget + k + 1 rows. Its tokens per step come from
+    `hybrid_accept` (the hybrid's measured per-depth acceptance) when given, else from the tree and
+    n-gram paths taken as independent (hybrid_tokens), which overstates it where both catch the
+    same text (copies)."""
     if isinstance(cost, dict):
         cost = MeasuredCost.from_json(cost)
     rows = []
@@ -136,10 +156,23 @@ def predict(accept: Union[float, Sequence[float]], cost: Union[StepCost, dict], 
             rows.append(_row("eagle3-tree-engine", b, e, step, plain, topk=topk, depth=depth, budget=budget,
                              verified_tokens=budget + 1, tokens_source=source))
         if ngram_accept is not None:
+            # a measured profile only to the depth it was measured at: prompt lookup's acceptance past it is unknown
+            ngram_ks = ks if isinstance(ngram_accept, (int, float)) else [k for k in ks if k <= len(ngram_accept)] or ks[:1]
             best = max((_row("ngram", b, expected_tokens(profile(ngram_accept, k)),
                              k * ngram_ms + cost.verify_ms(b * (k + 1), b) + overhead, plain, k=k, verified_tokens=k + 1)
-                        for k in ks), key=lambda r: r["speedup"])
+                        for k in ngram_ks), key=lambda r: r["speedup"])
             rows.append(best)
+            for topk, depth, budget in engine_trees:
+                k = best["k"]
+                if hybrid_accept is not None:
+                    e, source = expected_tokens(profile(hybrid_accept, max(depth, k))), "measured hybrid acceptance"
+                else:
+                    tree_a = profile(tree_accept if tree_accept is not None else accept, depth)
+                    e, source = hybrid_tokens(tree_a, profile(ngram_accept, k)), "tree and n-gram as independent"
+                step = ((depth - 1) * cost.draft_ms(b, topk) + draft + k * ngram_ms
+                        + cost.verify_ms(b * (budget + k + 1), b) + overhead)
+                rows.append(_row("hybrid", b, e, step, plain, topk=topk, depth=depth, budget=budget, k=k,
+                                 verified_tokens=budget + k + 1, tokens_source=source))
     best = {}
     for r in rows:
         if r["speedup"] > best.get(r["batch"], {"speedup": 0})["speedup"]:
@@ -181,7 +214,8 @@ class PlanConfig:
     accept: Optional[list[float]] = None
     """Per-position acceptance rates (overrides alpha and the eval manifest)."""
     ngram_alpha: float = 0.3
-    """Assumed per-position acceptance of n-gram (prompt lookup) drafting."""
+    """Assumed per-position acceptance of n-gram (prompt lookup) drafting, where the run's evaluation
+    did not measure it."""
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     """Batch sizes (sequences decoded together) to predict for."""
     context: int = 2048
@@ -209,6 +243,9 @@ def _eval_metrics(run_dir: Path) -> tuple[Optional[list[float]], Optional[dict],
     c = m.get("config") or {}
     if rates and all(c.get(k) for k in ("tree_topk", "tree_depth", "tree_budget")):
         tree = {"accept": rates, "shape": (int(c["tree_topk"]), int(c["tree_depth"]), int(c["tree_budget"]))}
+        # over every round (evaluate's per_round_rates): prompt lookup's rounds without a match count
+        per_round = m.get("metrics", {}).get("accept_rate_per_position_per_round_by_method") or {}
+        tree.update({f"{k}_accept": per_round[k] for k in ("hybrid", "ngram") if per_round.get(k)})
     return m.get("metrics", {}).get("accept_rate_per_position"), sc, src, tree
 
 
@@ -228,6 +265,9 @@ def plan(cfg: PlanConfig) -> dict:
             sources["step_costs"] = f"{src}: step_costs"
         if tree:
             sources["tree_accept"] = f"{src}: metrics.accept_rate_per_position_by_method.eagle3_tree"
+        for k in ("hybrid", "ngram"):
+            if tree.get(f"{k}_accept"):
+                sources[f"{k}_accept"] = f"{src}: metrics.accept_rate_per_position_per_round_by_method.{k}"
     target = cfg.target or (recipe.get("target") or {}).get("path")
     if cfg.step_costs:
         d = read_json(cfg.step_costs)
@@ -265,8 +305,11 @@ def plan(cfg: PlanConfig) -> dict:
                    plain_decode_ms={str(b): round(cost.verify_ms(b, b), 4) for b in cfg.batch_sizes},
                    comm_share={str(b): round(cost.comm_ms(b, spec.num_layers) / cost.verify_ms(b, b), 4)
                                for b in cfg.batch_sizes})
-    out.update(predict(accept, cost, cfg.batch_sizes, ngram_accept=cfg.ngram_alpha,
-                       engine_trees=[tree["shape"]] if tree else [], tree_accept=tree.get("accept")))
+    if "ngram_accept" not in sources:
+        sources["ngram_accept"] = f"--ngram_alpha {cfg.ngram_alpha}"
+    out.update(predict(accept, cost, cfg.batch_sizes, ngram_accept=tree.get("ngram_accept", cfg.ngram_alpha),
+                       engine_trees=[tree["shape"]] if tree else [], tree_accept=tree.get("accept"),
+                       hybrid_accept=tree.get("hybrid_accept")))
     return out
 
 
@@ -285,7 +328,8 @@ def to_table(result: dict) -> str:
         for r in (r for r in result["rows"] if r["batch"] == b):
             label = {"eagle3-chain": f"chain k={r.get('k')}", "eagle3-tree": f"tree {r.get('budget')}",
                      "eagle3-tree-engine": f"tree {r.get('topk')}x{r.get('depth')}/{r.get('budget')}",
-                     "ngram": f"n-gram k={r.get('k')}"}[r["method"]]
+                     "ngram": f"n-gram k={r.get('k')}",
+                     "hybrid": f"hybrid {r.get('topk')}x{r.get('depth')}/{r.get('budget')}+{r.get('k')}"}[r["method"]]
             lines.append(f"  {label:<14}{r['verified_tokens']:>9}{r['tokens_per_step']:>10.2f}{r['step_ms']:>10.2f}"
                          f"{r['tokens_per_s']:>10.1f}{r['speedup']:>8.2f}x")
         best = result["best"][str(b)]
@@ -312,4 +356,4 @@ def speedup_at(result: dict, batch: int, k: int) -> Optional[float]:
                  and r.get("k") == k), None)
 
 
-__all__ = ["expected_tokens", "leviathan_tokens", "tree_tokens", "predict", "plan", "PlanConfig", "speedup_at"]
+__all__ = ["expected_tokens", "leviathan_tokens", "tree_tokens", "hybrid_tokens", "predict", "plan", "PlanConfig", "speedup_at"]

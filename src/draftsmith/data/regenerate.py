@@ -264,14 +264,18 @@ class Regenerated:
 
 
 def regenerate_conversations(generate, conversations: Sequence[list[dict]],
-                             fits: Optional[Callable[[list[dict], list], bool]] = None) -> list[Regenerated]:
+                             fits: Optional[Callable[[list[dict], list], bool]] = None,
+                             max_turns: Optional[int] = None) -> list[Regenerated]:
     """Each conversation with its assistant turns replaced, round by round (turn r of every
     conversation in one call of `generate(messages, answer_ids)`, where answer_ids are the earlier
     answers' token ids), or with the reason it failed. `fits(messages, answer_ids)` says whether an
     answer to these messages still starts inside prepare.max_length; a conversation ends before its
-    first turn that does not (training would cut it off anyway)."""
+    first turn that does not (training would cut it off anyway), and after its `max_turns`-th answer."""
     msgs = [[dict(m) for m in c] for c in conversations]
     turns = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in msgs]
+    if max_turns is not None:
+        msgs = [m[:t[max_turns] if len(t) > max_turns else len(m)] for m, t in zip(msgs, turns)]
+        turns = [t[:max_turns] for t in turns]
     answers: list[list[Answer]] = [[] for _ in msgs]
     failed: list[Optional[str]] = [None] * len(msgs)
     for r in range(max((len(t) for t in turns), default=0)):
@@ -356,7 +360,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         """Regenerate `convs` into chunk k: its shard, its errors, the manifest that lists it (the last write)."""
         nonlocal t0
         generate.start_chunk(k)
-        results = regenerate_conversations(generate, [c.messages for c in convs], fits)
+        results = regenerate_conversations(generate, [c.messages for c in convs], fits, recipe.regenerate.max_turns)
         samples, texts = [], []
         for conv, res in zip(convs, results):
             reason = res.error

@@ -16,6 +16,7 @@ from ..speculate.cache import CAPTURES, seeded_generator
 from ..speculate.eagle3 import Eagle3Proposer, FastDraft
 from ..speculate.engine import generate
 from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
+from ..speculate.hybrid import HybridProposer
 from ..speculate.ngram import NgramProposer
 from ..speculate.proposer import PerSequence
 from ..speculate.verify import plain_generate, plain_generate_batch
@@ -39,9 +40,15 @@ def check_methods(cfg, where: str) -> list[str]:
     return [m for m in SPEC_METHODS if m in cfg.methods]
 
 
+def ngram_depth(cfg) -> int:
+    return cfg.ngram_steps or cfg.draft_steps
+
+
 def method_depth(cfg, method: str) -> int:
-    if method == "ngram" and cfg.ngram_steps:
-        return cfg.ngram_steps
+    if method == "ngram":
+        return ngram_depth(cfg)
+    if method == "hybrid":  # the drafter's tree and the n-gram chain beside it, each to its own depth
+        return max(cfg.tree_depth, ngram_depth(cfg))
     return cfg.tree_depth if method == "eagle3_tree" else cfg.draft_steps
 
 
@@ -83,6 +90,9 @@ def make_proposer(method: str, drafter, cfg, batch: int, generator=None, runners
                               generator=generator, fast=fast)
     if method == "ngram":
         return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
+    if method == "hybrid":
+        return HybridProposer(make_proposer("eagle3_tree", drafter, cfg, batch, generator, runners),
+                              make_proposer("ngram", drafter, cfg, batch), cfg.tree_depth, ngram_depth(cfg))
     raise ValueError(method)
 
 

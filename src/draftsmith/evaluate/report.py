@@ -128,12 +128,17 @@ def _md(rows: list[list[str]]) -> str:
                       *("| " + " | ".join(r) + " |" for r in rows[1:])])
 
 
-def render_report(summary: dict, recipe: Recipe) -> str:
+def render_report(summary: dict, recipe: Recipe, temperature: Optional[float] = None) -> str:
+    """The report of one temperature's summary; `temperature` names it in the title (several in one run)."""
     e = recipe.evaluate
-    mode = "greedy" if e.temperature <= 0 else f"sampling at temperature {e.temperature}"
-    parts = [f"# Evaluation: {recipe.name}",
+    T = e.temperature if temperature is None else temperature
+    mode = "greedy" if T <= 0 else f"sampling at temperature {T:g}"
+    title = f"# Evaluation: {recipe.name}" + ("" if temperature is None else f", temperature {temperature:g}"
+                                             + (" (served)" if temperature == e.temperature else ""))
+    parts = [title,
              f"Target `{recipe.target.path}`, {mode}, max_new_tokens={e.max_new_tokens}; eagle3_chain k={e.draft_steps}, "
-             f"eagle3_tree depth={e.tree_depth} top-k={e.tree_topk} budget={e.tree_budget}, ngram k={e.ngram_steps or e.draft_steps} "
+             f"eagle3_tree depth={e.tree_depth} top-k={e.tree_topk} budget={e.tree_budget}, ngram k={e.ngram_steps or e.draft_steps}, "
+             "hybrid = that tree with the n-gram continuation grafted on, one verify "
              f"(n <= {e.ngram_max}). tau = tokens per target verification forward (the target's own token counted); "
              "speedup = plain decoding time / method time, same target, same process, same decoding path "
              f"(`{summary.get('path', 'off')}`: {PATH_TEXT.get(summary.get('path', 'off'), '')}).",

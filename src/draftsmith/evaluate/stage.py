@@ -30,7 +30,7 @@ from ..target.model import eos_token_ids, load_target
 from .costs import decode_roofline, measure_step_costs, overheads
 from .measure import (DecodeRunners, check_methods, check_recorded, evaluate_batch, evaluate_prompt, method_depth, run_method,
                       run_plain)
-from .report import fmt, lossless_tally, plot_acceptance, print_table, render_report, summarize, table_rows
+from .report import fmt, lossless_tally, plot_acceptance, print_table, ratio, render_report, summarize, table_rows
 
 PARTIAL = "partial.jsonl"
 SPOT_CHECK_TURNS, SPOT_CHECK_TOKENS = 4, 64
@@ -127,6 +127,13 @@ def prompt_budget(target, cfg, methods: list[str]) -> Optional[int]:
     return budget
 
 
+def per_round_rates(method_summary: dict) -> list:
+    """P(depth j accepted | depth j - 1 accepted) over every round of a method."""
+    acc = method_summary["per_position"]["accepted"]
+    prev = [method_summary["overall"]["rounds"]] + acc[:-1]
+    return [ratio(a, n) for a, n in zip(acc, prev)]
+
+
 def manifest_figures(summary: dict, cfg, methods: list[str], too_long: int, batches: int, path: str,
                      fallbacks: int) -> tuple[dict, dict]:
     """The manifest's counts and metrics (what `status` and `plan` read) from the summary."""
@@ -145,6 +152,10 @@ def manifest_figures(summary: dict, cfg, methods: list[str], too_long: int, batc
             summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
         "accept_rate_per_position_by_method": {m: s["per_position"]["accept_rate"] for m, s in summary["methods"].items()
                                                if "per_position" in s},
+        # over every round, those that drafted nothing counted as rejected at depth 1 (prompt lookup often
+        # finds no match): E = 1 + sum_j prod_{i<=j} a_i gives the method's tau, what `plan` needs of n-gram
+        "accept_rate_per_position_per_round_by_method": {m: per_round_rates(s) for m, s in summary["methods"].items()
+                                                         if "per_position" in s},
         "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
         "speedup": o.get("speedup"), "num_prompts": counts["prompts"], "draft_steps": cfg.draft_steps,
         "path": path, "capture_fallbacks": fallbacks,
@@ -169,6 +180,8 @@ class Evaluation:
     partial: Path
     done: dict
     warmed: set = field(default_factory=set)
+    prefix: str = ""
+    """Before every key of this temperature's records (several temperatures: "T0.7/")."""
 
     def warm_up(self, prompts: list[list[int]]) -> None:
         """First calls at a batch size pay for allocation, kernel selection and graph capture."""
@@ -192,7 +205,7 @@ class Evaluation:
             for turn in range(min(len(p.turns), max(cfg.max_turns, 1))):
                 where = turn_where(bench, p, turn)
                 ids = turn_prompt(tokenizer, p, turn, answers, self.eos, where)
-                tkey = turn_key(key, turn)
+                tkey = self.prefix + turn_key(key, turn)
                 if budget is not None and len(ids) > budget:
                     too_long.append({"key": tkey, "benchmark": bench, "id": p.id, "prompt_tokens": len(ids), "limit": budget})
                     log(f"[evaluate] {where}: {len(ids):,} prompt tokens, over the {budget:,} that fit the target's positions "
@@ -202,10 +215,11 @@ class Evaluation:
                 if rec is None:
                     self.warm_up([ids])
                     rec = {"key": tkey, "benchmark": bench, "id": p.id, "category": p.category, "turn": turn + 1,
+                           "temperature": cfg.temperature,
                            **evaluate_prompt(self.target, self.drafter, ids, cfg, self.methods, self.eos, len(records), where,
                                              runners=self.runners)}
                     append_jsonl(self.partial, rec)
-                    log(f"[evaluate] {n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
+                    log(f"[evaluate] {self.prefix}{n}/{len(todo)} {where}: {rec['plain_new_tokens']} tokens, " + ", ".join(
                         f"{m} tau {fmt(r['emitted'] / r['rounds'] if r['rounds'] else None)} speedup "
                         f"{fmt(rec['plain_s'] / r['spec_s'] if r['spec_s'] else None)}" for m, r in rec["methods"].items()))
                 else:
@@ -239,19 +253,26 @@ class Evaluation:
         out = []
         for B in sorted({b for b in self.cfg.batch_sizes if b > 1}):
             for j in range(0, len(records) - B + 1, B):
-                bkey = f"batch{B}#{j // B}"
+                bkey = f"{self.prefix}batch{B}#{j // B}"
                 rec = self.done.get(bkey)
                 if rec is None:
                     chunk = records[j:j + B]
                     prompts = [r["prompt_ids"] for r in chunk]
                     self.warm_up(prompts)
-                    rec = {"key": bkey, **evaluate_batch(self.target, self.drafter, prompts, [r["plain_tokens"] for r in chunk],
+                    rec = {"key": bkey, "temperature": self.cfg.temperature, **evaluate_batch(self.target, self.drafter, prompts, [r["plain_tokens"] for r in chunk],
                                                          self.cfg, self.methods, self.eos, j, runners=self.runners)}
                     append_jsonl(self.partial, rec)
                     log(f"[evaluate] batch size {B}, batch {j // B + 1}: " + ", ".join(
                         f"{m} speedup {fmt(rec['plain_s'] / r['spec_s'])}" for m, r in rec["methods"].items()))
                 out.append(rec)
         return out
+
+
+def evaluate_temperatures(cfg: EvaluateConfig) -> list[float]:
+    """The temperatures one evaluation measures at: evaluate.temperatures (unset: [temperature]), with the
+    served one (evaluate.temperature) among them even when the list leaves it out."""
+    temps = [float(t) for t in (cfg.temperatures if cfg.temperatures is not None else [cfg.temperature])]
+    return temps if float(cfg.temperature) in temps else [float(cfg.temperature), *temps]
 
 
 def check_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
@@ -282,7 +303,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
     target, drafter = load_models(recipe, drafter_dir)
     runners = DecodeRunners(target, drafter, cfg.fast)
-    n_fallbacks = len(CAPTURE_FALLBACKS)  # this stage's CUDA-graph captures that fall back to eager, at the end
     rounds = "; EAGLE-3 rounds on the device" if cfg.resident and runners.mode != "off" else ""
     log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
     todo = [(f"{bench}#{i}", bench, p) for bench in cfg.benchmarks for i, p in enumerate(load_prompts(bench, cfg.max_prompts))]
@@ -295,41 +315,63 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if done:
         log(f"[evaluate] resuming: {len(done)} measurements already done")
 
-    ev = Evaluation(target, drafter, cfg, methods, eos_token_ids(target), runners, partial, done)
+    temps = evaluate_temperatures(cfg)
     budget = prompt_budget(target, cfg, methods)
-    records, too_long = ev.turns(todo, budget)
-    if not records:
-        raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
-                              f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
-                              "lower evaluate.max_new_tokens")
-    spot_check = ev.greedy_spot_check(records)
-    batch_records = ev.batches(records)
+    measured = {}  # temperature -> (summary, records, batch records, too_long, fallbacks)
+    for T in temps:
+        cfg_t = replace(cfg, temperature=T)
+        prefix = f"T{T:g}/" if len(temps) > 1 else ""  # one temperature: the keys partial.jsonl always had
+        ev = Evaluation(target, drafter, cfg_t, methods, eos_token_ids(target), runners, partial, done, prefix=prefix)
+        n_fallbacks = len(CAPTURE_FALLBACKS)  # this temperature's CUDA-graph captures that fall back to eager
+        records, too_long = ev.turns(todo, budget)
+        if not records:
+            raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
+                                  f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
+                                  "lower evaluate.max_new_tokens")
+        spot_check = ev.greedy_spot_check(records) if 0 not in temps or T <= 0 else {}  # greedy measured: checked there
+        batch_records = ev.batches(records)
+        summary = summarize(records, batch_records, cfg_t, methods)
+        for m, tally in spot_check.items():
+            summary["methods"][m]["lossless"] = tally
+        summary["path"], summary["temperature"] = runners.mode, T
+        summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"])
+        measured[T] = (summary, records, batch_records, too_long, CAPTURE_FALLBACKS[n_fallbacks:])
+    summary, records, batch_records, too_long, fallbacks = measured[float(cfg.temperature)]  # the served temperature's: headline
 
     step_costs = measure_step_costs(target, drafter, records[0]["prompt_ids"] + records[0]["plain_tokens"], runners=runners,
                                     batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(records)],
                                     tree_topk=cfg.tree_topk) if cfg.step_costs and records else None
-    summary = summarize(records, batch_records, cfg, methods)
-    for m, tally in spot_check.items():
-        summary["methods"][m]["lossless"] = tally
     if step_costs:
         step_costs.update(overheads(summary, step_costs, cfg))
-    summary["path"] = runners.mode
-    fallbacks = CAPTURE_FALLBACKS[n_fallbacks:]
-    if fallbacks:  # those calls ran eagerly: their timings are not the graphs path's
-        log(f"[evaluate] WARNING: {len(fallbacks)} CUDA-graph capture(s) fell back to eager (capture_fallbacks in results.json)")
-    summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"]) if records else None
-    atomic_write_json(out_dir / "results.json", {"config": cfg, "eos_ids": ev.eos, "summary": summary, "step_costs": step_costs,
-                                                 "prompts": records, "batches": batch_records, "prompts_too_long": too_long,
-                                                 "capture_fallbacks": fallbacks})
-    atomic_write_text(out_dir / "report.md", render_report(summary, recipe))
+    all_fallbacks = [f for m in measured.values() for f in m[4]]
+    if all_fallbacks:  # those calls ran eagerly: their timings are not the graphs path's
+        log(f"[evaluate] WARNING: {len(all_fallbacks)} CUDA-graph capture(s) fell back to eager (capture_fallbacks in results.json)")
+    results = {"config": cfg, "eos_ids": eos_token_ids(target), "summary": summary,
+               "step_costs": step_costs, "prompts": [r for m in measured.values() for r in m[1]],
+               "batches": [r for m in measured.values() for r in m[2]], "prompts_too_long": too_long,
+               "capture_fallbacks": all_fallbacks}
+    if len(temps) > 1:
+        results["by_temperature"] = {f"{T:g}": m[0] for T, m in measured.items()}
+    atomic_write_json(out_dir / "results.json", results)
+    atomic_write_text(out_dir / "report.md", "\n\n".join(render_report(m[0], recipe, T if len(temps) > 1 else None)
+                                                         for T, m in measured.items()))
     atomic_write_bytes(out_dir / "acceptance.png", plot_acceptance(summary))
-    print_table(table_rows(summary))
+    for T, m in measured.items():
+        if len(temps) > 1:
+            print(f"temperature {T:g}" + (" (served: evaluate.temperature)" if T == float(cfg.temperature) else ""))
+        print_table(table_rows(m[0]))
 
     manifest["counts"], manifest["metrics"] = manifest_figures(summary, cfg, methods, len(too_long), len(batch_records),
-                                                               runners.mode, len(fallbacks))
+                                                               runners.mode, len(all_fallbacks))
+    manifest["metrics"]["temperature"] = cfg.temperature
+    if len(temps) > 1:
+        manifest["metrics"]["by_temperature"] = {
+            f"{T:g}": manifest_figures(m[0], replace(cfg, temperature=T), methods, len(m[3]), len(m[2]), runners.mode,
+                                       len(m[4]))[1]["methods"] for T, m in measured.items()}
     if step_costs:
         manifest["step_costs"] = step_costs
-    manifest["timings"] = {"plain_s": summary["plain"]["plain_s"],
-                           **{f"{m}_s": s["overall"]["spec_s"] for m, s in summary["methods"].items()}}
+    manifest["timings"] = {"plain_s": sum(m[0]["plain"]["plain_s"] for m in measured.values()),
+                           **{f"{k}_s": sum(m[0]["methods"][k]["overall"]["spec_s"] for m in measured.values())
+                              for k in summary["methods"]}}
     manifest["files"] = ["results.json", "report.md", "acceptance.png"]
     return finish_manifest(out_dir, manifest)
