@@ -304,3 +304,14 @@ def test_api_key_never_leaves_the_environment_under_every_fault(prompts, tmp_pat
     assert res["failed"]["A"]["by_kind"] == {k: 2 * n for k, n in sorted(expected_errors(FAULTS).items())}
     assert f"A: {2 * (len(FAULTS) - 1)} of {2 * len(FAULTS)} requests failed" in proc.stdout.decode()
     assert Ledger(run_dir).read()[-1]["summary"]["A"]["errors_by_kind"] == res["failed"]["A"]["by_kind"]
+
+
+def test_a_key_given_in_place_of_its_variable_name_is_not_repeated(prompts, tmp_path, capsys):
+    """`--api_key_env sk-...` (the key where its variable's name belongs): a one-line error that
+    says what to give instead and does not print the key back."""
+    key = "sk-live-Xy7PASTEDKEY-9281"
+    assert cli.main(["bench-serve", "--url", "http://127.0.0.1:9/v1", "--prompts", prompts, "--api_key_env", key,
+                     "--out_dir", str(tmp_path / "out"), "--progress", "false"]) == 2
+    err = capsys.readouterr().err
+    assert "not an environment variable name" in err and "PASTEDKEY" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -180,6 +180,10 @@ def api_key_from_env(name: Optional[str]) -> Optional[str]:
     """The API key in environment variable `name` (None when no name is given)."""
     if not name:
         return None
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):  # most likely the key itself: not repeated here
+        raise DraftsmithError("--api_key_env: the value given is not an environment variable name (letters, digits, _); "
+                              "give the NAME of the variable that holds the key, e.g. export SERVE_KEY=... and "
+                              "--api_key_env SERVE_KEY, never the key")
     key = os.environ.get(name)
     if not key:
         raise DraftsmithError(f"--api_key_env {name}: the environment variable {name} is not set or empty; "
