@@ -142,7 +142,7 @@ def test_level_deadline_cancels_and_counts_unsent(prompts, tmp_path):
     assert lv["tokens_per_s"] == 0 and lv["tpot_ms"]["p50"] is None
 
 
-def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path):
+def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path, capsys):
     with socket.socket() as sock:  # a port that nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -150,6 +150,8 @@ def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path):
         bench(prompts, tmp_path, url=f"http://127.0.0.1:{port}/v1")
     with StubServer(faults=("error",)) as s, pytest.raises(DraftsmithError, match="every warm-up request failed .*http_500"):
         bench(prompts, tmp_path, url=s.url, warmup_requests=2)
+    err = capsys.readouterr().err  # one line per failed warm-up request
+    assert "A warm-up request 0: http_500: injected server error" in err and "A warm-up request 1: http_500" in err
     with pytest.raises(DraftsmithError, match="not an http"):
         bench(prompts, tmp_path, url="127.0.0.1:8000")
     assert cli.main(["bench-serve", "--no_such_flag", "1"]) == 2

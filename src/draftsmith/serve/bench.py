@@ -35,7 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 from jsonargparse import ActionConfigFile
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, load_manifest, package_versions,
+from ..artifacts import (DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, load_manifest, log, package_versions,
                          stage_dir, to_jsonable)
 from ..config import cli_parser
 from ..data.readers import load_prompts
@@ -496,6 +496,9 @@ async def run_sweep(cfg: BenchServeConfig, prompts: list[str], api_key: Optional
                                       request_body(cfg.api, ep.model, prompts[i % len(prompts)], cfg), cfg.request_timeout_s,
                                       secrets)
                     for i in range(cfg.warmup_requests)]
+            for i, r in enumerate(warm):
+                if not r.ok:
+                    log(f"{ep.label} warm-up request {i}: {r.error}")
             if warm and not any(r.ok for r in warm):
                 raise DraftsmithError(f"{ep.url}: every warm-up request failed (first: {warm[0].error}); "
                                       "check that the server is up and serves this model and API (--api chat|completions)")
