@@ -4,18 +4,25 @@ tiny HF model. Checks counts, golden acceptance figures from /metrics, files, le
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from draftsmith import cli
 from draftsmith.artifacts import DraftsmithError, Ledger
+from draftsmith.serve import bench as bench_mod
 from draftsmith.serve.bench import BenchServeConfig, percentiles, run
 from draftsmith.serve.metrics import parse_prometheus, spec_window
-from draftsmith.serve.stub import StubServer, hf_generator
+from draftsmith.serve.stub import FAULTS, StubServer, hf_generator
 from draftsmith.testing import make_model_dir
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 @pytest.fixture
@@ -78,15 +85,51 @@ def test_ab_sweep_with_spec_decode_metrics(prompts, tmp_path, capsys):
     assert event["summary"]["plain"]["levels"][1]["mean_acceptance_length"] is None
 
 
+# what each stub fault must be reported as (serve/stub.py FAULTS)
+FAULT_KINDS = {"error": "http_500", "stall": "timeout", "hang": "timeout", "drop": "dropped", "bad_json": "bad_response",
+               "bad_sse": "bad_sse", "bad_shape": "bad_sse", "forever": "overlong"}
+
+
+def expected_errors(faults) -> dict:
+    out: dict = {}
+    for f in faults:
+        if f != "ok":
+            out[FAULT_KINDS[f]] = out.get(FAULT_KINDS[f], 0) + 1
+    return out
+
+
 @pytest.mark.parametrize("api", ["chat", "completions"])
-def test_errors_stalls_and_drops_are_reported(prompts, tmp_path, api):
-    with StubServer(step_s=0.001, faults=("ok", "error", "stall", "drop")) as s:
-        res = bench(prompts, tmp_path, url=s.url, api=api, concurrency=[1, 2], request_timeout_s=1.0)
+def test_every_server_fault_is_a_counted_error_with_a_line(prompts, tmp_path, api, capsys):
+    """Each fault of the stub, once per level: 500, a stall after the first token, no answer at all,
+    a dropped connection, a cut-off JSON body, a chunk that is not JSON and one that is not a chunk
+    object, mid-stream, and a stream past max_tokens.
+    Each failed request gets one stderr line; results.json counts them by kind; the run ends in bounded time."""
+    assert set(FAULT_KINDS) | {"ok"} == set(FAULTS)
+    with StubServer(step_s=0.001, faults=FAULTS) as s:
+        res = bench(prompts, tmp_path, url=s.url, api=api, concurrency=[1, 2], requests_per_level=len(FAULTS),
+                    request_timeout_s=1.0, level_timeout_s=20.0)
+    err = capsys.readouterr().err
     for lv in res["levels"]["A"]:
-        assert lv["requests"] == 8 and lv["ok"] == 2
-        assert lv["errors"] == {"http_500": 2, "timeout": 2, "dropped": 2}
+        assert lv["requests"] == len(FAULTS) and lv["ok"] == 1 and lv["failed"] == len(FAULTS) - 1
+        assert lv["errors"] == expected_errors(FAULTS)
         assert "injected server error" in lv["error_examples"]["http_500"]
-        assert lv["output_tokens"] == 2 * 16
+        assert lv["output_tokens"] == 16
+        assert sorted(f["request"] for f in lv["failures"]) == sorted(set(range(len(FAULTS))) - {FAULTS.index("ok")})
+        for f in lv["failures"]:
+            assert f"A c={lv['concurrency']} request {f['request']}: {f['error']}" in err.splitlines()
+    assert res["failed"] == {"A": {"requests": 2 * len(FAULTS), "failed": 2 * (len(FAULTS) - 1),
+                                   "by_kind": {k: 2 * n for k, n in sorted(expected_errors(FAULTS).items())}}}
+    assert res["wall_s"] < 2 * 20.0  # each level ends by its deadline (bench() also fails a hang)
+
+
+def test_an_endless_sse_line_fails_the_request(prompts, tmp_path, monkeypatch):
+    """A server that streams bytes without a newline fails that request once the line passes
+    MAX_SSE_LINE, instead of growing the client's memory until the deadline."""
+    monkeypatch.setattr(bench_mod, "MAX_SSE_LINE", 4096)
+    with StubServer(step_s=0.0, generator=lambda prompt, n, chat: iter(["x" * 10_000] * n)) as s:
+        res = bench(prompts, tmp_path, url=s.url, concurrency=[1], requests_per_level=2, request_timeout_s=30.0)
+    (lv,) = res["levels"]["A"]
+    assert lv["errors"] == {"bad_sse": 2} and "longer than 4096 bytes" in lv["error_examples"]["bad_sse"]
 
 
 def test_level_deadline_cancels_and_counts_unsent(prompts, tmp_path):
@@ -99,7 +142,7 @@ def test_level_deadline_cancels_and_counts_unsent(prompts, tmp_path):
     assert lv["tokens_per_s"] == 0 and lv["tpot_ms"]["p50"] is None
 
 
-def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path):
+def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path, capsys):
     with socket.socket() as sock:  # a port that nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -107,6 +150,8 @@ def test_unreachable_and_broken_servers_fail_early(prompts, tmp_path):
         bench(prompts, tmp_path, url=f"http://127.0.0.1:{port}/v1")
     with StubServer(faults=("error",)) as s, pytest.raises(DraftsmithError, match="every warm-up request failed .*http_500"):
         bench(prompts, tmp_path, url=s.url, warmup_requests=2)
+    err = capsys.readouterr().err  # one line per failed warm-up request
+    assert "A warm-up request 0: http_500: injected server error" in err and "A warm-up request 1: http_500" in err
     with pytest.raises(DraftsmithError, match="not an http"):
         bench(prompts, tmp_path, url="127.0.0.1:8000")
     assert cli.main(["bench-serve", "--no_such_flag", "1"]) == 2
@@ -229,3 +274,46 @@ def test_requests_sample_at_the_evaluated_temperature(prompts, tmp_path):
         assert bench(prompts, tmp_path, run_dir=str(run_dir), **kw)["config"]["temperature"] == 0.7
         assert bench(prompts, tmp_path, run_dir=str(run_dir), temperature=0.0, **kw)["config"]["temperature"] == 0.0
         assert bench(prompts, tmp_path, **kw)["config"]["temperature"] == 0.0
+
+
+def test_api_key_never_leaves_the_environment_under_every_fault(prompts, tmp_path):
+    """A real `draftsmith bench-serve` process, the key in an environment variable, against a server
+    that needs it, quotes it back in its errors (echo_auth) and fails in every way it can. No piece
+    of the key (8 characters or more) is in stdout, stderr or any file the run wrote (results.json,
+    the plot, the ledger); the results still count every failure by kind."""
+    key = "Zq7TESTSECRET-sk-4f9b2c71d0e8a6"
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_PROXY") and not k.endswith("_proxy")}
+    env |= {"BENCH_SERVE_KEY": key, "PYTHONPATH": os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)}
+    with StubServer(step_s=0.001, faults=FAULTS, api_key=key, echo_auth=True) as s:
+        proc = subprocess.run(
+            [sys.executable, "-m", "draftsmith.cli", "bench-serve", "--url", s.url, "--api_key_env", "BENCH_SERVE_KEY",
+             "--prompts", prompts, "--concurrency", "[1,2]", "--requests_per_level", str(len(FAULTS)), "--max_tokens", "16",
+             "--warmup_requests", "1", "--request_timeout_s", "1", "--level_timeout_s", "20", "--run_dir", str(run_dir),
+             "--out_dir", str(out_dir), "--api", "completions"],
+            capture_output=True, env=env, timeout=120)
+        assert s.unauthorized == 0  # every request carried the key
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    blobs = {"stdout": proc.stdout, "stderr": proc.stderr}
+    blobs |= {str(p): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != "prompts.jsonl"}
+    assert {run_dir / "ledger.jsonl", out_dir / "results.json", out_dir / "bench_serve.png"} <= {Path(n) for n in blobs}
+    pieces = {key[i:i + 8].encode() for i in range(len(key) - 7)}
+    leaks = [(name, piece) for name, blob in blobs.items() for piece in pieces if piece in blob]
+    assert not leaks, leaks
+    assert b"Authorization: Bearer ***" in proc.stderr  # the echoed header is there, its value redacted
+    res = json.loads((out_dir / "results.json").read_text())
+    assert res["failed"]["A"]["failed"] == 2 * (len(FAULTS) - 1)
+    assert res["failed"]["A"]["by_kind"] == {k: 2 * n for k, n in sorted(expected_errors(FAULTS).items())}
+    assert f"A: {2 * (len(FAULTS) - 1)} of {2 * len(FAULTS)} requests failed" in proc.stdout.decode()
+    assert Ledger(run_dir).read()[-1]["summary"]["A"]["errors_by_kind"] == res["failed"]["A"]["by_kind"]
+
+
+def test_a_key_given_in_place_of_its_variable_name_is_not_repeated(prompts, tmp_path, capsys):
+    """`--api_key_env sk-...` (the key where its variable's name belongs): a one-line error that
+    says what to give instead and does not print the key back."""
+    key = "sk-live-Xy7PASTEDKEY-9281"
+    assert cli.main(["bench-serve", "--url", "http://127.0.0.1:9/v1", "--prompts", prompts, "--api_key_env", key,
+                     "--out_dir", str(tmp_path / "out"), "--progress", "false"]) == 2
+    err = capsys.readouterr().err
+    assert "not an environment variable name" in err and "PASTEDKEY" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -29,13 +29,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from jsonargparse import ActionConfigFile
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, load_manifest, package_versions,
+from ..artifacts import (DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, load_manifest, log, package_versions,
                          stage_dir, to_jsonable)
 from ..config import cli_parser
 from ..data.readers import load_prompts
@@ -180,6 +180,10 @@ def api_key_from_env(name: Optional[str]) -> Optional[str]:
     """The API key in environment variable `name` (None when no name is given)."""
     if not name:
         return None
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):  # most likely the key itself: not repeated here
+        raise DraftsmithError("--api_key_env: the value given is not an environment variable name (letters, digits, _); "
+                              "give the NAME of the variable that holds the key, e.g. export SERVE_KEY=... and "
+                              "--api_key_env SERVE_KEY, never the key")
     key = os.environ.get(name)
     if not key:
         raise DraftsmithError(f"--api_key_env {name}: the environment variable {name} is not set or empty; "
@@ -202,46 +206,110 @@ def request_body(api: str, model: str, prompt: str, cfg: BenchServeConfig) -> di
     return body
 
 
+MAX_ERROR_BODY = 64 << 10
+"""Bytes of an error answer read for its message: a server that streams an endless error body is cut off."""
+MAX_SSE_LINE = 1 << 20
+"""Longest SSE line accepted: a server that streams bytes without a newline fails the request, not the memory."""
+ERROR_CHARS = 200
+"""Longest error message kept per request (after redaction, so a cut never leaves half a secret)."""
+
+
+class BadStream(Exception):
+    """The server's answer is not a well-formed OpenAI stream; the message says how (kind: `bad_sse`)."""
+
+
 def _error_message(raw: bytes) -> str:
     try:
         err = json.loads(raw).get("error", raw.decode(errors="replace"))
         msg = err.get("message", err) if isinstance(err, dict) else err
     except (ValueError, AttributeError):
         msg = raw.decode(errors="replace")
-    return " ".join(str(msg).split())[:160]
+    return " ".join(str(msg).split())
+
+
+async def _read_capped(r, limit: int) -> bytes:
+    buf = bytearray()
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        if len(buf) >= limit:
+            break
+    return bytes(buf[:limit])
+
+
+async def _sse_lines(r):
+    """The lines of a streamed body, each at most MAX_SSE_LINE bytes (else BadStream)."""
+    buf = bytearray()
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        while 0 <= (i := buf.find(b"\n")) <= MAX_SSE_LINE:
+            yield bytes(buf[:i]).rstrip(b"\r").decode(errors="replace")
+            del buf[:i + 1]
+        if len(buf) > MAX_SSE_LINE:  # no newline within the limit: however the bytes arrived
+            raise BadStream(f"an SSE line longer than {MAX_SSE_LINE} bytes")
+    if buf:
+        yield bytes(buf).decode(errors="replace")
+
+
+def _chunk_text(obj: Any) -> tuple[int, Optional[int], bool]:
+    """(content pieces, usage tokens or None, finished) of one parsed SSE chunk; BadStream if it is
+    not shaped like an OpenAI chunk (a server's bug must fail the request, not the benchmark)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices") or [], list):
+        raise BadStream(f"a chunk that is not an OpenAI chunk object: {json.dumps(obj)}")
+    usage = obj.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0):
+        raise BadStream(f"usage.completion_tokens is {tokens!r}, not a count")
+    pieces, finished = 0, False
+    for ch in obj.get("choices") or []:
+        if not isinstance(ch, dict):
+            raise BadStream(f"a choice that is not an object: {json.dumps(ch)}")
+        delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else {}
+        text = ch.get("text") or delta.get("content") or delta.get("reasoning_content")
+        pieces += bool(text)
+        finished = finished or ch.get("finish_reason") is not None
+    return pieces, tokens, finished
 
 
 async def _stream(client, url: str, body: dict, t0: float) -> RequestResult:
     ttft = usage_tokens = None
     chunks, finished = 0, False
+    max_chunks = 2 * int(body.get("max_tokens") or 0) + 16  # each content chunk holds >= 1 token; margin for odd servers
     async with client.stream("POST", url, json=body) as r:
         if r.status_code != 200:
-            raw = await r.aread()
+            raw = await _read_capped(r, MAX_ERROR_BODY)
             return RequestResult(False, time.perf_counter() - t0, error=f"http_{r.status_code}: {_error_message(raw)}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                finished = True
-                break
-            try:
-                obj = json.loads(data)
-            except json.JSONDecodeError:
-                return RequestResult(False, time.perf_counter() - t0, ttft, chunks, error=f"bad_sse: {data[:80]!r}")
-            if obj.get("error"):
-                return RequestResult(False, time.perf_counter() - t0, ttft, chunks,
-                                     error=f"stream_error: {_error_message(json.dumps(obj).encode())}")
-            if obj.get("usage"):
-                usage_tokens = obj["usage"].get("completion_tokens")
-            for ch in obj.get("choices") or []:
-                delta = ch.get("delta") or {}
-                text = ch.get("text") or delta.get("content") or delta.get("reasoning_content")
-                if text:
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                finished = finished or ch.get("finish_reason") is not None
+        ctype = r.headers.get("content-type", "")
+        if "text/event-stream" not in ctype:
+            raw = await _read_capped(r, MAX_ERROR_BODY)
+            return RequestResult(False, time.perf_counter() - t0, error=f"bad_response: HTTP 200 {ctype or 'without a content type'}, "
+                                 f"not an SSE stream: {' '.join(raw.decode(errors='replace').split())}")
+        try:
+            async for line in _sse_lines(r):
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    finished = True
+                    break
+                try:
+                    obj = json.loads(data)
+                except json.JSONDecodeError:
+                    raise BadStream(f"a chunk that is not JSON: {data!r}") from None
+                if isinstance(obj, dict) and obj.get("error"):
+                    return RequestResult(False, time.perf_counter() - t0, ttft, chunks,
+                                         error=f"stream_error: {_error_message(json.dumps(obj).encode())}")
+                pieces, tokens, done = _chunk_text(obj)
+                usage_tokens = tokens if tokens is not None else usage_tokens
+                if pieces and ttft is None:
+                    ttft = time.perf_counter() - t0
+                chunks += pieces
+                finished = finished or done
+                if chunks > max_chunks:
+                    return RequestResult(False, time.perf_counter() - t0, ttft, chunks,
+                                         error=f"overlong: {chunks} content chunks for max_tokens={body.get('max_tokens')} "
+                                         "and no end; the server ignores max_tokens")
+        except BadStream as e:
+            return RequestResult(False, time.perf_counter() - t0, ttft, chunks, error=f"bad_sse: {e}")
     latency = time.perf_counter() - t0
     if not finished:
         return RequestResult(False, latency, ttft, chunks, error="dropped: stream ended before [DONE]/finish_reason")
@@ -249,19 +317,25 @@ async def _stream(client, url: str, body: dict, t0: float) -> RequestResult:
     return RequestResult(True, latency, ttft, int(tokens), source)
 
 
-async def one_request(client, url: str, body: dict, timeout_s: float) -> RequestResult:
-    """Send one streaming request; never raises, never outlives `timeout_s`."""
+async def one_request(client, url: str, body: dict, timeout_s: float, secrets: Sequence[str] = ()) -> RequestResult:
+    """Send one streaming request; never raises, never outlives `timeout_s`. Its error, if any,
+    is one line with every secret redacted (then cut to ERROR_CHARS): a server may echo the key."""
     import httpx  # why here: ~0.2 s to import, needed only when requests are sent
 
     t0 = time.perf_counter()
     try:
-        return await asyncio.wait_for(_stream(client, url, body, t0), timeout_s)
+        res = await asyncio.wait_for(_stream(client, url, body, t0), timeout_s)
     except asyncio.TimeoutError:
-        return RequestResult(False, time.perf_counter() - t0, error=f"timeout: no complete answer within {timeout_s:g}s")
+        res = RequestResult(False, time.perf_counter() - t0, error=f"timeout: no complete answer within {timeout_s:g}s")
     except httpx.ConnectError as e:
-        return RequestResult(False, time.perf_counter() - t0, error=f"connect: {e}")
+        res = RequestResult(False, time.perf_counter() - t0, error=f"connect: {e}")
     except (httpx.HTTPError, OSError) as e:  # dropped connections surface as protocol/read errors
-        return RequestResult(False, time.perf_counter() - t0, error=f"dropped: {type(e).__name__}: {str(e)[:120]}")
+        res = RequestResult(False, time.perf_counter() - t0, error=f"dropped: {type(e).__name__}: {e}")
+    except Exception as e:  # anything else a server's answer provokes fails this request, not its worker's others
+        res = RequestResult(False, time.perf_counter() - t0, error=f"client_error: {type(e).__name__}: {e}")
+    if res.error:
+        res.error = redact(" ".join(res.error.split()), list(secrets))[:ERROR_CHARS]
+    return res
 
 
 # ----------------------------------------------------------------------------- one level
@@ -282,8 +356,12 @@ def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, Optional[floa
     return out
 
 
+MAX_FAILURES_LISTED = 100
+"""Failed requests listed one by one per level in results.json (all are counted by kind)."""
+
+
 def summarize_level(concurrency: int, results: list[RequestResult], wall_s: float, not_sent: int,
-                    spec: Optional[dict]) -> dict:
+                    spec: Optional[dict], failures: Optional[list[dict]] = None) -> dict:
     ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
     examples: dict[str, str] = {}
@@ -298,7 +376,8 @@ def summarize_level(concurrency: int, results: list[RequestResult], wall_s: floa
     tokens = sum(r.output_tokens for r in ok)
     return {
         "concurrency": concurrency, "requests": len(results) + not_sent, "ok": len(ok),
-        "errors": errors, "error_examples": examples, "wall_s": round(wall_s, 4), "output_tokens": tokens,
+        "failed": len(results) - len(ok) + not_sent, "errors": errors, "error_examples": examples,
+        "failures": (failures or [])[:MAX_FAILURES_LISTED], "wall_s": round(wall_s, 4), "output_tokens": tokens,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
         "ttft_ms": ms([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -320,11 +399,18 @@ async def scrape(client, url: Optional[str]) -> Optional[dict]:
 
 
 async def run_level(client, ep: Endpoint, api: str, prompts: list[str], concurrency: int, n_requests: int,
-                    cfg: BenchServeConfig, bar=None) -> dict:
+                    cfg: BenchServeConfig, bar=None, secrets: Sequence[str] = ()) -> dict:
+    """One level: `n_requests` requests, at most `concurrency` in flight, within `level_timeout_s`.
+    Each failed request gets one line on stderr and an entry in the level's `failures`."""
     url = ep.url.rstrip("/") + ("/chat/completions" if api == "chat" else "/completions")
     before = await scrape(client, ep.metrics_url)
     results: list[RequestResult] = []
+    failures: list[dict] = []
     in_flight: dict[int, float] = {}
+
+    def failed(i: int, error: str) -> None:
+        failures.append({"request": i, "error": error})
+        tqdm.write(f"{ep.label} c={concurrency} request {i}: {error}", file=sys.stderr)  # above the bar, if any
     next_i = 0
     t0 = time.perf_counter()
     deadline = t0 + cfg.level_timeout_s
@@ -336,8 +422,11 @@ async def run_level(client, ep: Endpoint, api: str, prompts: list[str], concurre
             in_flight[i] = time.perf_counter()
             body = request_body(api, ep.model, prompts[i % len(prompts)], cfg)
             timeout = min(cfg.request_timeout_s, max(deadline - time.perf_counter(), 0.001))
-            results.append(await one_request(client, url, body, timeout))
+            res = await one_request(client, url, body, timeout, secrets)
+            results.append(res)
             del in_flight[i]
+            if not res.ok:
+                failed(i, res.error or "unknown")
             if bar is not None:
                 bar.update(1)
 
@@ -349,9 +438,12 @@ async def run_level(client, ep: Endpoint, api: str, prompts: list[str], concurre
         await asyncio.gather(*pending, return_exceptions=True)
     for i, started in list(in_flight.items()):
         results.append(RequestResult(False, time.perf_counter() - started, error="level_timeout: cancelled at the level deadline"))
+        failed(i, results[-1].error)
+    for i in range(next_i, n_requests):
+        failed(i, f"not_sent: the level deadline ({cfg.level_timeout_s:g}s) passed first")
     wall = time.perf_counter() - t0
     after = await scrape(client, ep.metrics_url)
-    return summarize_level(concurrency, results, wall, max(n_requests - next_i, 0), spec_window(before, after))
+    return summarize_level(concurrency, results, wall, max(n_requests - next_i, 0), spec_window(before, after), failures)
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -362,15 +454,15 @@ def _server_root(url: str) -> str:
     return f"{u.scheme}://{u.netloc}"
 
 
-async def _discover_model(client, ep: Endpoint) -> str:
+async def _discover_model(client, ep: Endpoint, timeout_s: float, secrets: Sequence[str]) -> str:
     try:
-        r = await asyncio.wait_for(client.get(ep.url.rstrip("/") + "/models"), 15)
+        r = await asyncio.wait_for(client.get(ep.url.rstrip("/") + "/models"), timeout_s)
         data = r.json().get("data") if r.status_code == 200 else None
         if data:
             return str(data[0]["id"])
         why = f"GET /models answered HTTP {r.status_code} without models"
     except Exception as e:
-        why = f"{type(e).__name__}: {str(e)[:120]}"
+        why = redact(f"{type(e).__name__}: {' '.join(str(e).split())}", list(secrets))[:ERROR_CHARS]
     raise DraftsmithError(f"{ep.url}: cannot list the served models ({why}); start the server, check --url "
                           f"(it ends in /v1), or give the model name with --model")
 
@@ -382,6 +474,9 @@ def _resolve_metrics_url(given: Optional[str], url: str) -> Optional[str]:
 
 
 async def run_sweep(cfg: BenchServeConfig, prompts: list[str], api_key: Optional[str] = None) -> dict:
+    """Discovery, warm-up and the levels. Bounded: per endpoint at most min(15, request_timeout_s)
+    for /models, warmup_requests x request_timeout_s, and per level level_timeout_s + 5 s plus two
+    /metrics scrapes of at most 10 s each."""
     import httpx  # why here: ~0.2 s to import, needed only when requests are sent
 
     eps = [Endpoint(cfg.label, cfg.url, cfg.model or "", _resolve_metrics_url(cfg.metrics_url, cfg.url))]
@@ -393,12 +488,17 @@ async def run_sweep(cfg: BenchServeConfig, prompts: list[str], api_key: Optional
     limits = httpx.Limits(max_connections=max(levels) + 8, max_keepalive_connections=max(levels) + 8)
     out: dict[str, Any] = {"levels": {ep.label: [] for ep in eps}}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    secrets = secrets_of(cfg, api_key)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=headers) as client:
         for ep in eps:
-            ep.model = ep.model or await _discover_model(client, ep)
+            ep.model = ep.model or await _discover_model(client, ep, min(15.0, cfg.request_timeout_s), secrets)
             warm = [await one_request(client, ep.url.rstrip("/") + ("/chat/completions" if cfg.api == "chat" else "/completions"),
-                                      request_body(cfg.api, ep.model, prompts[i % len(prompts)], cfg), cfg.request_timeout_s)
+                                      request_body(cfg.api, ep.model, prompts[i % len(prompts)], cfg), cfg.request_timeout_s,
+                                      secrets)
                     for i in range(cfg.warmup_requests)]
+            for i, r in enumerate(warm):
+                if not r.ok:
+                    log(f"{ep.label} warm-up request {i}: {r.error}")
             if warm and not any(r.ok for r in warm):
                 raise DraftsmithError(f"{ep.url}: every warm-up request failed (first: {warm[0].error}); "
                                       "check that the server is up and serves this model and API (--api chat|completions)")
@@ -408,11 +508,26 @@ async def run_sweep(cfg: BenchServeConfig, prompts: list[str], api_key: Optional
             for li, c in enumerate(levels):
                 for ep in (eps if li % 2 == 0 else eps[::-1]):  # A B, B A, ...: drift hits both alike
                     bar.set_description(f"{ep.label} c={c}")
-                    out["levels"][ep.label].append(await run_level(client, ep, cfg.api, prompts, c, n_per[c], cfg, bar))
+                    out["levels"][ep.label].append(await run_level(client, ep, cfg.api, prompts, c, n_per[c], cfg, bar,
+                                                                   secrets))
     for ep in eps:
         out["levels"][ep.label].sort(key=lambda lv: lv["concurrency"])
+    out["failed"] = failure_summary(out["levels"])
     if len(eps) == 2:
         out["ab"] = ab_ratios(out["levels"][eps[0].label], out["levels"][eps[1].label])
+    return out
+
+
+def failure_summary(levels: dict[str, list[dict]]) -> dict:
+    """Per endpoint: requests sent or due, how many failed, and the failures by kind."""
+    out = {}
+    for label, lvs in levels.items():
+        kinds: dict[str, int] = {}
+        for lv in lvs:
+            for k, n in lv["errors"].items():
+                kinds[k] = kinds.get(k, 0) + n
+        out[label] = {"requests": sum(lv["requests"] for lv in lvs), "failed": sum(lv["failed"] for lv in lvs),
+                      "by_kind": dict(sorted(kinds.items()))}
     return out
 
 
@@ -506,6 +621,7 @@ def ledger_summary(res: dict) -> dict:
             "peak_tokens_per_s": peak["tokens_per_s"] if peak else None,
             "peak_concurrency": peak["concurrency"] if peak else None,
             "errors": sum(sum(lv["errors"].values()) for lv in levels),
+            "errors_by_kind": (res.get("failed") or {}).get(label, {}).get("by_kind", {}),
             "levels": [{k: lv[k] for k in ("concurrency", "ok", "requests", "tokens_per_s", "requests_per_s")}
                        | {"tpot_p50_ms": lv["tpot_ms"]["p50"], "ttft_p50_ms": lv["ttft_ms"]["p50"],
                           "mean_acceptance_length": (lv["spec_decode"] or {}).get("mean_acceptance_length")}
@@ -581,6 +697,10 @@ def main(argv: list[str]) -> int:
     """`draftsmith bench-serve [--url URL] [--url_b URL] [--concurrency [1,2,4]] ...`."""
     res = run(parse_args(argv))
     print(format_table(res))
+    for label, f in res["failed"].items():
+        if f["failed"]:
+            kinds = ", ".join(f"{k}={n}" for k, n in f["by_kind"].items())
+            print(f"{label}: {f['failed']} of {f['requests']} requests failed ({kinds}); one line each on stderr, all in results.json")
     print(f"wrote {res['files']['results']} and {res['files']['plot']}")
     return 0
 

@@ -10,7 +10,11 @@ tokens "w0 w1 ..." at one decode step every `step_s` seconds, slowed by `content
 running request (a crude batch cost). With spec_k > 0 each step emits 1 + accepted tokens,
 accepting a cyclic pattern of draft lengths, and exports vLLM's spec-decode counters, so a
 benchmark can read acceptance from /metrics. `faults` is a cyclic schedule over requests:
-ok, error (HTTP 500), stall (hangs after the first token), drop (closes the socket mid-stream).
+ok, error (HTTP 500), stall (hangs after the first token), hang (never answers), drop (closes the
+socket mid-stream), bad_json (HTTP 200 with a cut-off JSON body), bad_sse (a chunk that is not
+JSON, mid-stream), bad_shape (a JSON chunk that is not an OpenAI chunk), forever (streams tokens
+past max_tokens and never finishes). `echo_auth` makes error bodies and the malformed chunk quote
+the request's Authorization header, as a careless server does: a client must not pass that on.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Callable, Iterator, Optional
 
 from ..compat import cache_kwargs, output_cache
 
-FAULTS = ("ok", "error", "stall", "drop")
+FAULTS = ("ok", "error", "stall", "hang", "drop", "bad_json", "bad_sse", "bad_shape", "forever")
 
 
 class _Server(ThreadingHTTPServer):
@@ -94,8 +98,16 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, json.JSONDecodeError):
             return self._send(400, b'{"error": {"message": "invalid JSON body"}}')
         fault = stub.next_fault()
+        echo = f" (request had Authorization: {self.headers.get('Authorization')})" if stub.echo_auth else ""
         if fault == "error":
-            return self._send(500, b'{"error": {"message": "injected server error", "type": "InternalServerError"}}')
+            msg = json.dumps({"error": {"message": "injected server error" + echo, "type": "InternalServerError"}})
+            return self._send(500, msg.encode())
+        if fault == "hang":
+            stub.stop.wait(stub.stall_s)
+            self.close_connection = True
+            return
+        if fault == "bad_json":
+            return self._send(200, b'{"choices": [{"text": "w1 w2", "finish_reason": ')
         prompt = req["messages"][-1]["content"] if chat else req.get("prompt", "")
         max_tokens = int(req.get("max_tokens") or 16)
         pieces = stub.generate(prompt, max_tokens, chat)
@@ -111,6 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         obj = "chat.completion.chunk" if chat else "text_completion"
         n_tokens = 0
+        if fault == "forever":
+            pieces = itertools.repeat(["w0 "])
         with stub.running():
             for i, step in enumerate(pieces):
                 if stub.stop.wait(stub.step_time()):
@@ -124,6 +138,10 @@ class _Handler(BaseHTTPRequestHandler):
                     stub.stop.wait(stub.stall_s)
                     self.close_connection = True
                     return
+                if i == 1 and fault == "bad_sse":
+                    self._chunk(b'data: {"choices": [{"index": 0, "delta": {"content": "' + echo.encode() + b'\n\n')
+                if i == 1 and fault == "bad_shape":
+                    self._chunk(b'data: {"choices": "w1"}\n\n')
                 if i == 1 and fault == "drop":
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
@@ -146,7 +164,7 @@ class StubServer:
                  accept_pattern: tuple[int, ...] = (3, 1, 2, 0), faults: tuple[str, ...] = ("ok",),
                  stall_s: float = 3600.0, expose_metrics: bool = True, model_name: str = "stub",
                  generator: Optional[Callable[[str, int, bool], Iterator[str]]] = None, api_key: Optional[str] = None,
-                 extra_metrics: str = ""):
+                 extra_metrics: str = "", echo_auth: bool = False):
         bad = [f for f in faults if f not in FAULTS]
         if bad:
             raise ValueError(f"unknown faults {bad}; use {FAULTS}")
@@ -155,6 +173,7 @@ class StubServer:
         self.faults, self.stall_s, self.expose_metrics = tuple(faults), stall_s, expose_metrics
         self.model_name, self.generator = model_name, generator
         self.api_key, self.unauthorized, self.extra_metrics = api_key, 0, extra_metrics
+        self.echo_auth = echo_auth
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._requests = 0
@@ -276,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step_s", type=float, default=0.01, help="seconds per decode step")
     p.add_argument("--contention", type=float, default=0.02, help="step slowdown per other running request")
     p.add_argument("--spec_k", type=int, default=0, help="draft tokens per step (0: no speculation)")
-    p.add_argument("--faults", default="ok", help="comma-separated cyclic schedule of ok,error,stall,drop")
+    p.add_argument("--faults", default="ok", help=f"comma-separated cyclic schedule of {','.join(FAULTS)}")
     p.add_argument("--model", default=None, help="serve a local HF model folder instead of the stub text")
     a = p.parse_args(argv)
     gen = hf_generator(a.model) if a.model else None
