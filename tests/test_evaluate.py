@@ -424,3 +424,26 @@ def test_evaluate_records_capture_fallbacks(recipe, monkeypatch):
     assert res["capture_fallbacks"] and all("verify_rows" in f for f in res["capture_fallbacks"])
     assert m["metrics"]["capture_fallbacks"] == len(res["capture_fallbacks"]) and m["metrics"]["path"] == "graphs"
     assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())
+
+
+def test_prompts_from_the_training_source_leave_out_every_part_of_a_trained_conversation(recipe, tmp_path):
+    """Evaluate on the file prepare read measures only conversations the drafter never saw: no
+    record of a trained conversation, ShareGPT's later parts (`b_1` after `b_0`) included."""
+    from draftsmith.data import prepare
+    from draftsmith.config import PrepareConfig
+
+    def rec(i: str) -> dict:
+        return {"id": i, "conversations": [{"from": "human", "value": f"Tell me about {i}."},
+                                           {"from": "gpt", "value": f"Here is {i}."}]}
+
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps([rec(i) for i in ["a_0", "a_1", "b_0", "c", "e", "b_1", "f", "g", "h"]]))
+    run_dir = Path(recipe.run_dir)
+    recipe.prepare = PrepareConfig(source=str(source), max_samples=5, max_length=64)
+    prepare.run(recipe, run_dir, "prep-fp")
+    recipe.evaluate = EvaluateConfig(benchmarks=[str(source)], max_prompts=2, max_new_tokens=4, draft_steps=2,
+                                     step_costs=False, methods=["eagle3_chain", "plain"])
+    stage.run(recipe, run_dir, "eval-fp")
+    res = read_json(run_dir / "eval" / "results.json")
+    assert [p["id"] for p in res["prompts"]] == ["f", "g"]
+    assert load_manifest(run_dir / "eval")["counts"]["prompts_in_training"] == 6

@@ -37,7 +37,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..artifacts import DraftsmithError, log, relative_hint
 
@@ -540,9 +540,11 @@ def _prompt_turns(rec: dict, where: str) -> list[str]:
                           "give prompts as {\"prompt\": \"...\"} or {\"turns\": [\"...\", ...]}")
 
 
-def load_prompts(name_or_path: str, max_prompts: Optional[int] = None) -> list[Prompt]:
+def load_prompts(name_or_path: str, max_prompts: Optional[int] = None,
+                 exclude: Optional[Callable[[str], bool]] = None) -> list[Prompt]:
     """Prompts of a benchmark: builtin mtbench, humaneval, sharegpt (user turns of each conversation),
-    or a .jsonl file whose records have `prompt`, `turns`, or `messages`/`conversations`."""
+    or a .jsonl file whose records have `prompt`, `turns`, or `messages`/`conversations`. A record
+    whose id `exclude` accepts (part of a training conversation) is passed over before max_prompts counts."""
     path, fmt = resolve_source(name_or_path)
     default_category = name_or_path if name_or_path in BUILTINS else path.name.split(".")[0]
     out: list[Prompt] = []
@@ -552,7 +554,7 @@ def load_prompts(name_or_path: str, max_prompts: Optional[int] = None) -> list[P
     try:
         for index, where, rec in records:
             turns = _prompt_turns(rec, where)
-            if not turns:
+            if not turns or (exclude is not None and exclude(source_id(rec, index))):
                 continue
             out.append(Prompt(source_id(rec, index), turns, str(rec.get("category") or default_category)))
             if max_prompts is not None and len(out) >= max_prompts:
