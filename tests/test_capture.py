@@ -284,3 +284,24 @@ def test_resume_of_a_complete_capture_trusts_unchanged_shards_and_train_still_ca
     assert main(["train", *args, "--train.max_steps", "1", "--train.ttt_steps", "1", "--train.heldout_samples", "0"]) == 2
     err = capsys.readouterr().err
     assert f"{names[0]}: checksum does not match" in err and "Traceback" not in err
+
+
+def test_a_refused_capture_rerun_leaves_the_complete_capture_done(prepared, reference, tmp_path, monkeypatch):
+    """A rerun for a changed config that capture refuses (not enough disk) after clearing its folder,
+    before writing anything, changes no stage's state: `status` still shows capture done (the
+    refusal beside it), its manifest and shards the ones it had, recipe.yaml unchanged."""
+    import shutil as sh
+
+    from draftsmith import status
+    from draftsmith.artifacts import Ledger
+    from draftsmith.target import capture
+
+    args = _copy_prepared(prepared, tmp_path)
+    assert main(["capture", *args]) == 0
+    before = {p.name: p.read_bytes() for p in [*(tmp_path / "capture").iterdir(), tmp_path / "recipe.yaml"]}
+    monkeypatch.setattr(capture.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    assert main(["capture", *args, "--capture.storage_dtype", "bfloat16"]) == 2
+    state = status.stage_state(tmp_path, "capture", Ledger(tmp_path).read())
+    assert state["state"] == "done" and "capture needs" in state["refused"]
+    assert Ledger(tmp_path).read()[-1]["event"] == "stage_refused"
+    assert {p.name: p.read_bytes() for p in [*(tmp_path / "capture").iterdir(), tmp_path / "recipe.yaml"]} == before

@@ -95,7 +95,8 @@ def benchmark_prompts(cfg: EvaluateConfig, run_dir: Path) -> tuple[list[tuple[st
 
     for bench in cfg.benchmarks:
         same = source is not None and resolve_source(bench)[0].resolve() == source
-        todo += [(f"{bench}#{i}", bench, p) for i, p in enumerate(load_prompts(bench, cfg.max_prompts, in_training if same else None))]
+        prompts = load_prompts(bench, cfg.max_prompts, in_training if same else None)
+        todo += [(f"{bench}#{i}", bench, p) for i, p in enumerate(prompts)]
     return todo, excluded[0]
 
 

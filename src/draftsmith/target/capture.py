@@ -118,7 +118,8 @@ def _drop_damaged(out_dir: Path, entries: dict[str, dict], m: dict) -> None:
 
 def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
     m["shards"] = [entries[n] for n in order if n in entries]
-    m["verified"] = {n: v for n, v in sorted(m.get("verified", {}).items()) if n in entries and v.get("sha256") == entries[n]["sha256"]}
+    m["verified"] = {n: v for n, v in sorted(m.get("verified", {}).items())
+                     if n in entries and v.get("sha256") == entries[n]["sha256"]}
     m["counts"] = {"samples": sum(s["num_samples"] for s in m["shards"]),
                    "tokens": sum(s["num_tokens"] for s in m["shards"]),
                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
