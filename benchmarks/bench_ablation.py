@@ -31,6 +31,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Collection
 
 import torch
 
@@ -38,6 +39,8 @@ from draftsmith import pipeline
 from draftsmith.artifacts import (DraftsmithError, atomic_write_json, code_fingerprint, read_json, require_complete, stage_dir,
                                   to_jsonable, verify_shards)
 from draftsmith.config import parse_recipe
+from draftsmith.data.conversations import conversation_of
+from draftsmith.evaluate.stage import trained_conversations
 
 # name -> recipe flags on top of the base recipe. "baseline" is the recipe as it is: since lr 3e-3
 # and head_init target became the defaults (this ablation's winners), a base recipe that does not set
@@ -93,7 +96,7 @@ VARIANTS: dict[str, list[str]] = {
 
 @torch.no_grad()
 def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int, max_length: int,
-                       batch_tokens: int = 4096) -> dict:
+                       batch_tokens: int = 4096, trained: Collection = ()) -> dict:
     """Teacher-forced acceptance per draft position 0..depth-1 on every sample of a capture
     folder: argmax of the drafter == argmax of the target (restricted to the draft vocab), the
     training metric, here on conversations the drafter never saw; and speculative sampling's
@@ -102,7 +105,9 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     packs them (the same figures as one sample a row): on a GPU the TTT attention (flex, compiled
     for static shapes) then compiles once, where rows of each bin's own length compiled again for
     every new length (the likeliest cause of the first measurement's 309 s on a fresh H200 against
-    40-53 s once the compile cache was warm: BENCHMARKS.md, twelfth and thirteenth sessions)."""
+    40-53 s once the compile cache was warm: BENCHMARKS.md, twelfth and thirteenth sessions).
+    A sample part of a conversation in `trained` (the base run's, evaluate.stage.trained_conversations)
+    is left out: a skip_samples split by record can cut one ShareGPT conversation (`abc_0` | `abc_1`)."""
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex, epoch_plan
     from draftsmith.train.ttt import ttt_loss
@@ -117,7 +122,9 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     drafter = drafter.float().eval().to(dev)
     correct, weight, chain, accept = (torch.zeros(depth, dtype=torch.float64) for _ in range(4))
     row = max(batch_tokens, max_length)
-    for ids in epoch_plan(index.lengths, row, seed=0, epoch=0, layout="packed"):
+    keep = [j for j, sid in enumerate(index.source_id) if sid is None or conversation_of(sid, trained) is None]
+    for plan in epoch_plan([index.lengths[j] for j in keep], row, seed=0, epoch=0, layout="packed"):
+        ids = [keep[i] for i in plan]
         tokens, mask, aux, fin, pos, docs = (t.to(dev) for t in index.batch(ids, packed_tokens=row).tensors())
         out = ttt_loss(drafter, tokens, mask, aux.float(), fin.float(), head, depth, 1.0, position_ids=pos, doc_ids=docs,
                        sample_temperature=1.0)
@@ -126,7 +133,8 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
         weight += out.weight.double().cpu()
         chain += out.chain.double().cpu()
     return {"acc": (correct / weight.clamp_min(1)).tolist(), "chain": (chain / weight.clamp_min(1)).tolist(),
-            "accept_t1": (accept / weight.clamp_min(1)).tolist(), "weight": weight.tolist(), "samples": len(index)}
+            "accept_t1": (accept / weight.clamp_min(1)).tolist(), "weight": weight.tolist(), "samples": len(keep),
+            "samples_in_training": len(index) - len(keep)}
 
 
 def heldout_row(ho: dict, sim_depth: int) -> dict:
@@ -249,7 +257,8 @@ def measure(args, run_dir: Path, recipe, seed: int, flags: list[str], ngram: boo
     from draftsmith.draft.io import load_drafter
 
     ho = heldout_acceptance(load_drafter(run_dir / "train" / "drafter"), stage_dir(Path(args.heldout), "capture"),
-                            recipe.target.path, args.depth, recipe.train.max_length)
+                            recipe.target.path, args.depth, recipe.train.max_length,
+                            trained=trained_conversations(Path(args.base))[1])
     row = {"seed": seed, **heldout_row(ho, args.sim_depth)}
     if not args.no_engine:
         row.update(engine_taus(args, args.recipe, run_dir, seed, flags, ngram))

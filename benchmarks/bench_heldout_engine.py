@@ -15,7 +15,8 @@ from pathlib import Path
 from draftsmith.artifacts import read_json
 from draftsmith.config import parse_recipe
 from draftsmith.train.data import CaptureIndex
-from draftsmith.train.heldout import conversation_keys, engine_prompts, engine_record, heldout_count, split_by_conversation
+from draftsmith.data.conversations import conversation_keys
+from draftsmith.train.heldout import engine_prompts, engine_record, heldout_count, split_by_conversation
 
 
 def main() -> None:

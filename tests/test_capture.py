@@ -248,3 +248,60 @@ def test_bench_write_smoke(tmp_path):
     # bf16: 256 tokens x (3 + 1) x 64 x 2 bytes of states; fp8 about half (plus its scales)
     assert res["bfloat16"]["bytes"] > 256 * 4 * 64 * 2 > res["float8_e4m3"]["bytes"] > 256 * 4 * 64
     assert res["bfloat16"]["mb_per_s"] > 0 and not list(tmp_path.glob("*.safetensors"))
+
+
+def _flip_a_byte(path: Path, keep_mtime: bool) -> None:
+    """Corrupt the shard's last byte in place, the size unchanged (and its mtime_ns too if asked)."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_resume_of_a_complete_capture_trusts_unchanged_shards_and_train_still_catches_corruption(prepared, reference,
+                                                                                                 tmp_path, capsys):
+    """Resuming a capture whose every shard is listed does not read them again: a shard whose size and
+    mtime_ns are those stamped when its checksum was computed is trusted (milliseconds, where hashing
+    terabytes took hours), one whose mtime changed is hashed and captured again; the reader that loads
+    the shards (train) hashes every one, so a same-size, same-mtime corruption is caught before it is used."""
+    args = _copy_prepared(prepared, tmp_path)
+    assert main(["capture", *args]) == 0
+    m = load_manifest(tmp_path / "capture")
+    names = [s["file"] for s in m["shards"]]
+    m["status"] = "running"  # as a kill -9 right before the manifest said complete leaves it
+    (tmp_path / "capture" / "manifest.json").write_text(json.dumps(m))
+    _flip_a_byte(tmp_path / "capture" / names[0], keep_mtime=True)
+    _flip_a_byte(tmp_path / "capture" / names[1], keep_mtime=False)
+    capsys.readouterr()
+    assert main(["capture", *args]) == 0
+    assert "1 listed shard(s) missing or not matching their checksum (" + names[1] in capsys.readouterr().err
+    shards, ref = _shards(tmp_path), _shards(reference)
+    assert shards[names[1]] == ref[names[1]] and shards[names[0]] != ref[names[0]]  # trusted by its stamp
+    assert load_manifest(tmp_path / "capture")["status"] == "complete"
+    assert main(["vocab", *args, "--vocab.draft_vocab_size", "32"]) == 0
+    assert main(["train", *args, "--train.max_steps", "1", "--train.ttt_steps", "1", "--train.heldout_samples", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"{names[0]}: checksum does not match" in err and "Traceback" not in err
+
+
+def test_a_refused_capture_rerun_leaves_the_complete_capture_done(prepared, reference, tmp_path, monkeypatch):
+    """A rerun for a changed config that capture refuses (not enough disk) after clearing its folder,
+    before writing anything, changes no stage's state: `status` still shows capture done (the
+    refusal beside it), its manifest and shards the ones it had, recipe.yaml unchanged."""
+    import shutil as sh
+
+    from draftsmith import status
+    from draftsmith.artifacts import Ledger
+    from draftsmith.target import capture
+
+    args = _copy_prepared(prepared, tmp_path)
+    assert main(["capture", *args]) == 0
+    before = {p.name: p.read_bytes() for p in [*(tmp_path / "capture").iterdir(), tmp_path / "recipe.yaml"]}
+    monkeypatch.setattr(capture.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    assert main(["capture", *args, "--capture.storage_dtype", "bfloat16"]) == 2
+    state = status.stage_state(tmp_path, "capture", Ledger(tmp_path).read())
+    assert state["state"] == "done" and "capture needs" in state["refused"]
+    assert Ledger(tmp_path).read()[-1]["event"] == "stage_refused"
+    assert {p.name: p.read_bytes() for p in [*(tmp_path / "capture").iterdir(), tmp_path / "recipe.yaml"]} == before

@@ -29,6 +29,21 @@ def test_tested_versions_name_what_ci_runs():
     assert Version(TESTED["transformers"][1]) > Version(TESTED["transformers"][0])
 
 
+def test_installed_transformers_is_tested():
+    """The upper end of TESTED follows CI too: .ci/run runs this test again after it upgrades to the newest
+    transformers < 6, so a newer release than TESTED names fails CI until TESTED is raised (after the
+    model-facing tests passed on it); on the pins it checks the lower end."""
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[1]
+    newest_run = (root / ".ci/run").read_text().split('-U "transformers', 1)[1]
+    assert "tests/test_compat.py::test_installed_transformers_is_tested" in newest_run
+    lo, hi = TESTED["transformers"]
+    v = Version(version("transformers")).release[:2]
+    assert Version(lo).release <= v <= Version(hi).release, (
+        f"transformers {version('transformers')} is outside compat.TESTED {lo}-{hi}: raise TESTED once .ci/run passes on it")
+
+
 def tiny_deepseek(**kw) -> DeepseekV3Config:
     return DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, n_group=1, topk_group=1,

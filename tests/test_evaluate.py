@@ -298,13 +298,47 @@ def test_a_lossless_stop_after_a_change_keeps_its_turns_not_the_old_output(recip
 
 
 def test_divergence_classes():
-    """A divergence is a bug only when an independent forward sides with plain decoding."""
-    tol = measure.TIE_TOLERANCE[torch.bfloat16]
-    assert measure.classify_divergence((0.0, tol / 2), torch.bfloat16) == "tie"
-    assert measure.classify_divergence((3 * tol, 2 * tol), torch.bfloat16) == "numeric"
-    assert measure.classify_divergence((0.0, 2 * tol), torch.bfloat16) == "bug"
+    """A divergence is a bug only when an independent forward sides with plain decoding, beyond the
+    tolerance measured for it (the third value)."""
+    tol = 0.1
+    assert measure.classify_divergence((0.0, tol / 2, tol), torch.bfloat16) == "tie"
+    assert measure.classify_divergence((3 * tol, 2 * tol, tol), torch.bfloat16) == "numeric"
+    assert measure.classify_divergence((0.0, 2 * tol, tol), torch.bfloat16) == "bug"
     assert measure.classify_divergence(None, torch.bfloat16) == "bug"  # one side ended early
-    assert measure.classify_divergence((0.0, 1e-3), torch.float32) == "bug"  # fp32 tolerance is 1e-5
+    assert measure.classify_divergence((0.0, 1e-3), torch.float32) == "bug"  # no tolerance measured: fp32's floor 1e-5
+
+
+class RowCountRounding:
+    """A stand-in bf16 target whose logits at a position move with the number of rows in the forward,
+    as a bf16 MoE target's do (routing and kernels by row count): token 1 sits `gap` below the top
+    token 0, and gains `jitter` when the forward has an odd number of rows."""
+
+    dtype, device = torch.bfloat16, torch.device("cpu")
+
+    def __init__(self, gap: float, jitter: float):
+        self.gap, self.jitter = gap, jitter
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        logits = torch.zeros(1, n, 8)
+        logits[..., 0] = 10.0
+        logits[..., 1] = 10.0 * (1 - self.gap) + self.jitter * (n % 2)
+        logits[..., 2] = 5.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_the_tie_tolerance_is_the_targets_own_rounding():
+    """The bf16 MoE false alarm: a speculative token 0.127 below the top where the target's own forwards
+    move that row's logits by 0.05 when the row count changes is a tie (a fixed 0.1 called it a bug); a
+    token far below the top (0.5) is still a bug, and on a target that rounds alike at every row count
+    the same 0.127 is a bug too."""
+    prompt, plain = [3, 4, 5], [0, 0, 0, 0]
+    tie = measure.lossless_check(RowCountRounding(0.127, 0.5), prompt, plain, [0, 1, 0, 0], True, "p", "eagle3_chain")
+    assert tie["divergence"] == "tie" and tie["tie_tolerance"] == pytest.approx(4 * 0.05, rel=1e-3)
+    with pytest.raises(DraftsmithError, match=r"speculative 0\.5, tie tolerance 0\.2,"):
+        measure.lossless_check(RowCountRounding(0.127, 0.5), prompt, plain, [0, 2, 0, 0], True, "p", "eagle3_chain")
+    with pytest.raises(DraftsmithError, match="no rounding tie"):
+        measure.lossless_check(RowCountRounding(0.127, 0.0), prompt, plain, [0, 1, 0, 0], True, "p", "eagle3_chain")
 
 
 def test_lossless_check_stops_on_a_bug_and_names_the_gaps(tmp_path):
@@ -424,3 +458,26 @@ def test_evaluate_records_capture_fallbacks(recipe, monkeypatch):
     assert res["capture_fallbacks"] and all("verify_rows" in f for f in res["capture_fallbacks"])
     assert m["metrics"]["capture_fallbacks"] == len(res["capture_fallbacks"]) and m["metrics"]["path"] == "graphs"
     assert all(r["lossless"] for p in res["prompts"] for r in p["methods"].values())
+
+
+def test_prompts_from_the_training_source_leave_out_every_part_of_a_trained_conversation(recipe, tmp_path):
+    """Evaluate on the file prepare read measures only conversations the drafter never saw: no
+    record of a trained conversation, ShareGPT's later parts (`b_1` after `b_0`) included."""
+    from draftsmith.data import prepare
+    from draftsmith.config import PrepareConfig
+
+    def rec(i: str) -> dict:
+        return {"id": i, "conversations": [{"from": "human", "value": f"Tell me about {i}."},
+                                           {"from": "gpt", "value": f"Here is {i}."}]}
+
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps([rec(i) for i in ["a_0", "a_1", "b_0", "c", "e", "b_1", "f", "g", "h"]]))
+    run_dir = Path(recipe.run_dir)
+    recipe.prepare = PrepareConfig(source=str(source), max_samples=5, max_length=64)
+    prepare.run(recipe, run_dir, "prep-fp")
+    recipe.evaluate = EvaluateConfig(benchmarks=[str(source)], max_prompts=2, max_new_tokens=4, draft_steps=2,
+                                     step_costs=False, methods=["eagle3_chain", "plain"])
+    stage.run(recipe, run_dir, "eval-fp")
+    res = read_json(run_dir / "eval" / "results.json")
+    assert [p["id"] for p in res["prompts"]] == ["f", "g"]
+    assert load_manifest(run_dir / "eval")["counts"]["prompts_in_training"] == 6

@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                           "draftsmith.probe", "draftsmith.serve", "draftsmith.testing")),
     ("engine", ("draftsmith.speculate",)),
     ("models and formats", ("draftsmith.draft", "draftsmith.target.model", "draftsmith.data.shards",
-                            "draftsmith.data.batch", "draftsmith.data.readers", "draftsmith.data.template")),
+                            "draftsmith.data.batch", "draftsmith.data.readers", "draftsmith.data.template",
+                            "draftsmith.data.conversations")),
     ("foundations", ("draftsmith.config", "draftsmith.artifacts", "draftsmith.distributed", "draftsmith.costmodel",
                      "draftsmith.compat")),
 ]

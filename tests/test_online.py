@@ -194,7 +194,8 @@ def test_heldout_engine_tau_offline_and_online(train_runs):
     offline (the target loaded as evaluate loads it) and online (the training target) give the
     same record, within [1, depth + 1], from held-out conversations only; capture's shards carry
     the source ids prepare read."""
-    from draftsmith.train.heldout import conversation_keys, split_by_conversation
+    from draftsmith.data.conversations import conversation_keys
+    from draftsmith.train.heldout import split_by_conversation
 
     _, offline, online = train_runs
     index = CaptureIndex(sorted((offline / "capture").glob("shard-*.safetensors")), MAX_LENGTH, 64, 3)

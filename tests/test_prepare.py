@@ -101,7 +101,8 @@ def test_sharegpt_parts_stay_on_one_side_of_the_heldout_split(target, tmp_path):
     """ShareGPT's parts `x_0`, `x_1` of one long conversation: prepare keeps each record's id in its
     shard, train's index reads them back, and the held-out split keeps the parts together."""
     from draftsmith.train.data import TokenIndex
-    from draftsmith.train.heldout import conversation_keys, split_by_conversation
+    from draftsmith.data.conversations import conversation_keys
+    from draftsmith.train.heldout import split_by_conversation
 
     ids = ["x_0", "x_1", "y_0", "z_0", "z_2", "w_0", "v_0", "u_0"]
     path = tmp_path / "parts.json"

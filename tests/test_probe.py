@@ -54,3 +54,20 @@ def test_probe_layers_tiny(tmp_path, capsys):
     assert "at least 3 distinct" in capsys.readouterr().err
     assert main(["probe-layers", str(recipe), "--layers", "0", "1", "9"]) == 2
     assert "outside 0..4" in capsys.readouterr().err
+
+
+def test_probe_holds_out_whole_conversations(tmp_path):
+    """The probe's held-out positions are grouped by conversation: ShareGPT's parts `a_0`, `a_1` of one
+    conversation share one owner, so the split never puts part of it on both sides."""
+    import torch
+
+    from draftsmith.data.shards import Sample
+    from draftsmith.probe import gather
+    from draftsmith.target.model import load_target
+
+    target = load_target(make_model_dir(tmp_path / "tiny", num_layers=3, hidden_size=32), device="cpu", dtype="float32")
+    ids = ["a_0", "a_1", "b", "c", "d"]
+    samples = [Sample(torch.arange(3, 13), torch.ones(10, dtype=torch.bool), j, source_id=i) for j, i in enumerate(ids)]
+    owner = gather(target, samples, 10_000)["owner"]
+    per_sample = owner.view(len(ids), -1)[:, 0].tolist()
+    assert per_sample[0] == per_sample[1] and len(set(per_sample)) == 4

@@ -72,6 +72,33 @@ def test_malformed_record_mid_array_is_a_counted_skip(tmp_path):
     assert stats.skipped_where[0].startswith(f"{p}: record 1 (line 2): invalid JSON")
 
 
+def test_an_unbalanced_record_does_not_hide_the_records_after_it(tmp_path):
+    """A record that opens more brackets than it closes (a missing `]`, glued to the next one, or one
+    `{` too many) is skipped, counted and named with its file, index and fix; every record after it
+    is read, at the same indices as if it were fixed. One that closes more is a counted skip too."""
+    recs = [dict(GOOD, id=f"r{i}") for i in range(6)]
+    body = [json.dumps(r) for r in recs]
+    body[1] = '{"id": "r1", "conversations": [{"from": "human", "value": "a [ { in text"}, {"from": "gpt", "value": "b"}}'
+    body[3] = '{"id": "r3", "conversations": [{"from": "human", "value": {"x": "hi"}, {"from": "gpt", "value": "yo"}]}'
+    p = tmp_path / "unbalanced.json"
+    p.write_text("[" + ",\n".join(body) + "]\n")
+    convs, stats = read_all(p)
+    assert [c.source_id for c in convs] == ["r0", "r2", "r4", "r5"] and [c.index for c in convs] == [0, 2, 4, 5]
+    assert stats.counts["skipped_unbalanced"] == 2 and stats.truncated_source is None and stats.read == 4
+    assert stats.skipped_where[0].startswith(f"{p}: record 1 (line 2): its brackets do not balance")
+    assert "fix that record" in stats.skipped_where[0] and f"{p}: record 3 (line 4)" in stats.skipped_where[1]
+    later, _ = read_all(p, start=3)
+    assert [c.index for c in later] == [4, 5]
+    glued = tmp_path / "glued.json"  # the vendored bad-input case: `[}` then the next record without a comma
+    glued.write_text("[" + body[0] + ', {"id": "r1", "conversations": [}' + body[2] + ", " + body[4] + "]")
+    convs, stats = read_all(glued)
+    assert [c.source_id for c in convs] == ["r0", "r2", "r4"] and stats.counts["skipped_unbalanced"] == 1
+    extra = tmp_path / "extra.json"
+    extra.write_text("[" + body[0] + ", " + body[2] + "]}, " + body[4] + "]")
+    convs, stats = read_all(extra)
+    assert [c.source_id for c in convs] == ["r0", "r4"] and stats.counts["skipped_invalid_json"] == 1
+
+
 def test_non_utf8_record_is_a_counted_skip(tmp_path):
     p = tmp_path / "latin1.json"
     p.write_bytes(b'[{"id": "x", "conversations": [{"from": "human", "value": "caf\xe9"}]},' + json.dumps(GOOD).encode() + b"]")

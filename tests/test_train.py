@@ -15,7 +15,8 @@ from draftsmith.draft.io import load_drafter
 from draftsmith.target.model import read_target_embeddings
 from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import epoch_plan
-from draftsmith.train.heldout import conversation_keys, split_by_conversation
+from draftsmith.data.conversations import conversation_keys
+from draftsmith.train.heldout import split_by_conversation
 from draftsmith.train.ttt import simulated_tau
 
 # Losses of steps 1 and 3 of the toy run with seed 0, per batch layout (pinned: a change to data

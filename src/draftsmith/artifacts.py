@@ -192,6 +192,30 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def file_stamp(path: str | Path) -> dict:
+    """A file's size and mtime_ns: what any rewrite, truncation or copy over it changes."""
+    st = os.stat(path)
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def checksum_matches(path: Path, sha256: str, verified: dict) -> bool:
+    """Whether the file has `sha256`, hashing it only when its size or mtime_ns differ from the stamp
+    recorded in `verified` (file name -> {sha256, bytes, mtime_ns}) the last time its checksum was
+    computed or matched; a match records the stamp. A resume checks a day's shards this way in
+    milliseconds; an edit that keeps both size and mtime_ns passes here, so the reader that loads
+    a shard (train: verify_shards) still hashes it."""
+    if not path.is_file():
+        return False
+    stamp = {"sha256": sha256, **file_stamp(path)}
+    if verified.get(path.name) == stamp:
+        return True
+    if sha256_file(path) != sha256:
+        verified.pop(path.name, None)
+        return False
+    verified[path.name] = stamp
+    return True
+
+
 # ----------------------------------------------------------------------------- fingerprints
 
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .artifacts import (PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
+from .artifacts import (MANIFEST, PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
                         atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
                         output_fingerprint, process_cmdline, process_rank, process_start_time, process_started_at,
                         relative_hint, rerun_command, stage_dir, to_jsonable)
@@ -268,6 +268,7 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
             log(f"[{stage}] the complete output set aside in {prev} is for these inputs; put back in place")
             _restore(out_dir, prev, quiet=True)
     m = load_manifest(out_dir)
+    done_before = (out_dir / MANIFEST).read_bytes() if m is not None and m["status"] == "complete" else None
     verdict, why = "done", ""
     same = m is not None and m["status"] == "complete" and m["fingerprint"] == fp and not force
     if same and STAGE_TABLE[stage].revisit is not None:  # a key left out of the fingerprint that can still matter
@@ -298,7 +299,7 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
     except BaseException as e:
         # Refused: bad input the stage found before writing anything, with a complete output set aside. That
         # output comes back unchanged, so the stage stays complete (status: done) and recipe.yaml stays its own.
-        refused = isinstance(e, DraftsmithError) and prev.exists() and not out_dir.exists()
+        refused = isinstance(e, DraftsmithError) and _untouched(out_dir, prev, done_before)
         if is_main_rank() and prev.exists() and not _running_for(out_dir, fp):  # nothing to resume: the old output back
             _restore(out_dir, prev)
         if isinstance(e, KeyboardInterrupt):
@@ -320,6 +321,18 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
     if not is_main_rank():
         return wait_for_rank0(run_dir, stage, fp)
     return manifest
+
+
+def _untouched(out_dir: Path, prev: Path, done_before: bytes | None) -> bool:
+    """Whether a run that stopped wrote nothing over a stage that was complete (its manifest's bytes
+    `done_before`): the output set aside and the new folder absent or still empty (capture clears it
+    before its disk check), or, continuing in place (a revisit), the complete manifest as it was.
+    Such a stop is a refusal: the stage stays done."""
+    if done_before is None:
+        return False
+    if prev.exists():
+        return not out_dir.exists() or not any(out_dir.iterdir())
+    return (out_dir / MANIFEST).is_file() and (out_dir / MANIFEST).read_bytes() == done_before
 
 
 def _running_for(out_dir: Path, fp: str) -> bool:

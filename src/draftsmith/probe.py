@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from .artifacts import (DraftsmithError, Ledger, atomic_write_json, atomic_write_text, log, require_complete, stage_dir,
                         verify_shards)
 from .config import field_docs, parse_recipe
+from .data.conversations import conversation_keys
 from .data.shards import iter_samples
 from .target.model import default_aux_layer_ids, load_target, read_text_config
 
@@ -80,9 +81,11 @@ def _top_tokens(run_dir: Path, labels: torch.Tensor, vocab: int, k: int) -> torc
 def gather(target, samples, max_tokens: int) -> dict:
     """Per position t (assistant tokens, loss_mask[t+2]): rms-normalised outputs of every hooked
     layer at t [M, nL, H], the embedding of x[t+1] [M, H], the target's logits at t+1 [M, V],
-    and which sample the position came from."""
+    and which conversation the position came from (`owner`: ShareGPT parts `abc_0`, `abc_1` are one, so the
+    held-out split of train_probes never puts part of a conversation on both sides)."""
     H, emb = target.hidden_size, target.input_embeddings()
     feats, embs, logits, owner, n = [], [], [], [], 0
+    ids_of, index_of = [], []
     for s in samples:
         ids = s.input_ids[None].to(target.device)
         out = target.forward(ids, with_logits=True)
@@ -94,14 +97,19 @@ def gather(target, samples, max_tokens: int) -> dict:
         feats.append((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).cpu())
         embs.append(emb[ids[0, keep + 1]].float().cpu())
         logits.append(out.logits[0, keep + 1].float().cpu())
-        owner.append(torch.full((keep.numel(),), s.sample_index))
+        owner.append(torch.full((keep.numel(),), len(ids_of)))
+        ids_of.append(s.source_id)
+        index_of.append(s.sample_index)
         n += keep.numel()
         if n >= max_tokens:
             break
     if not feats:
         raise DraftsmithError("data/manifest.json: no assistant tokens to probe; check prepare's loss masks")
     cat = lambda xs: torch.cat(xs)[:max_tokens]  # noqa: E731
-    return {"h": cat(feats), "e": cat(embs), "logits": cat(logits), "owner": cat(owner)}
+    keys = conversation_keys(ids_of, index_of)
+    number = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    conversation = torch.tensor([number[k] for k in keys])
+    return {"h": cat(feats), "e": cat(embs), "logits": cat(logits), "owner": conversation[cat(owner)]}
 
 
 def train_probes(data: dict, triples: list[tuple[int, ...]], layer_index: dict[int, int], top: torch.Tensor,

@@ -583,7 +583,7 @@ CASES: list[Case] = [
     Case("json_truncated_mid_record", "source", "ShareGPT array cut off inside a record", "prepare", "truncated",
          setup=src("json_truncated_mid_record.json")),
     Case("json_malformed_mid_array", "source", "a record with unbalanced brackets in the middle of a ShareGPT array",
-         "prepare", "truncated", setup=src("json_malformed_mid_array.json")),
+         "prepare", "skip:skipped_unbalanced", setup=src("json_malformed_mid_array.json")),
     Case("json_invalid_record_mid_array", "source", "a record that is not valid JSON (brackets balanced) mid-array",
          "prepare", "skip:skipped_invalid_json",
          setup=_made("invalid_mid.json", lambda: ("[" + json.dumps(GOOD_REC) + ', {"id": "x", "conversations": [1 2]}, '

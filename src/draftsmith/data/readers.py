@@ -15,7 +15,9 @@ rejects a conversation, counting every decision in `ReadStats.counts`:
 
 Bad input: a record that is not valid JSON or not UTF-8, nested deeper than MAX_DEPTH or larger
 than MAX_RECORD_BYTES is skipped and counted (`skipped_invalid_json`, `skipped_not_utf8`,
-`skipped_too_deep`, `skipped_too_large`; the first ones' file:line in `ReadStats.skipped_where`);
+`skipped_too_deep`, `skipped_too_large`; a ShareGPT record whose brackets do not balance:
+`skipped_unbalanced`, the scan resuming at the next whole record; the first ones' file:line in
+`ReadStats.skipped_where`);
 prepare stops with an error only when no sample is left. Memory is bounded by the record size
 whatever its shape: depth is measured on the bytes before a record is parsed. A record of the wrong
 shape (not an object, no messages) is an error naming the file and line. A byte-order mark and
@@ -37,7 +39,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..artifacts import DraftsmithError, log, relative_hint
 
@@ -326,6 +328,31 @@ def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[
                                   "each array item must be {\"id\", \"conversations\": [...]}")
         return i, where, rec
 
+    def resync() -> bool:
+        """After a record that opens more brackets than it closes (the scan reached the end of a
+        whole file inside it): count it as skipped, named, and go on at the next whole record
+        (next_record_start). False when none follows: the record runs to the end (reported as a cut)."""
+        nonlocal pos, seg, depth, deepest, index, line, line_pos
+        if not mm[max(0, n - 64):n].rstrip().endswith(b"]"):
+            return False  # the file is cut off, not broken: nothing after it to find
+        nxt = next_record_start(mm, seg + 1)
+        if nxt is None:
+            return False
+        raw_start = seg
+        while raw_start < nxt and mm[raw_start:raw_start + 1].isspace():
+            raw_start += 1
+        line += mm[line_pos:raw_start].count(NEWLINE)
+        line_pos = raw_start
+        if index >= start:
+            where = f"{path}: record {index} (line {line})"
+            _skip(stats, "skipped_unbalanced", where, "its brackets do not balance (it opens more than it closes); "
+                  "fix that record (the records after it are read)")
+            stats.next_index = index + 1
+        index += 1
+        pos = seg = nxt
+        depth = deepest = 0
+        return True
+
     def cut(why: str) -> None:
         if mm[max(0, n - 64):n].rstrip().endswith(b"]"):  # the file is whole: a record opens more brackets than it closes
             at = line + mm[line_pos:seg].count(NEWLINE)
@@ -341,12 +368,16 @@ def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[
     while True:
         m = _OPEN_CLOSE.search(mm, pos) if depth else _ARRAY_TOKENS.search(mm, pos)
         if m is None:
+            if resync():
+                continue
             cut("premature end of the file")
             return
         c = mm[m.start()]
         if c == 0x22:
             sm = _STRING.match(mm, m.start())
             if sm is None:
+                if resync():
+                    continue
                 cut("premature end of the file")
                 return
             pos = sm.end()
@@ -356,8 +387,10 @@ def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[
             depth += 1
             deepest = max(deepest, depth)
         elif c in (0x5D, 0x7D):
-            if depth == 0:  # the array's closing bracket
-                out = item(m.start(), last=True)
+            if depth == 0:
+                if c == 0x7D or _NONSPACE.search(mm, pos) is not None:
+                    continue  # a stray closing bracket (a record closes more than it opens): that item fails to parse, counted
+                out = item(m.start(), last=True)  # the array's closing bracket
                 if out is not None:
                     yield out
                 return
@@ -371,6 +404,56 @@ def _scan_array(mm, path: Path, stats: ReadStats, start: int) -> Iterator[tuple[
 
 NEWLINE = b"\n"
 _ARRAY_TOKENS = re.compile(rb"[\[\]{}\",]")
+_NONSPACE = re.compile(rb"\S")
+_RECORD_KEYS = ("conversations", "messages")
+
+
+def _object_end(mm, at: int) -> Optional[int]:
+    """End (exclusive) of the balanced {...} opening at `at` (strings skipped), None if it does not close
+    within MAX_RECORD_BYTES."""
+    depth, pos, limit = 0, at, min(len(mm), at + MAX_RECORD_BYTES)
+    while (m := _OPEN_CLOSE.search(mm, pos, limit)) is not None:
+        c = mm[m.start()]
+        if c == 0x22:
+            sm = _STRING.match(mm, m.start(), limit)
+            if sm is None:
+                return None
+            pos = sm.end()
+            continue
+        pos = m.end()
+        depth += 1 if c in (0x5B, 0x7B) else -1
+        if depth == 0:
+            return pos
+    return None
+
+
+def next_record_start(mm, frm: int) -> Optional[int]:
+    """Offset of the first `{` from `frm` (outside strings) that opens a whole ShareGPT record: a balanced
+    object that parses, has `conversations` or `messages`, and is followed by `,` or `]`. A message
+    object ({from, value}) inside a broken record is not one, so the scan resumes at a record's start."""
+    pos = frm
+    while (m := _OPEN_CLOSE.search(mm, pos)) is not None:
+        c = mm[m.start()]
+        if c == 0x22:
+            sm = _STRING.match(mm, m.start())
+            if sm is None:
+                return None
+            pos = sm.end()
+            continue
+        pos = m.end()
+        if c != 0x7B:
+            continue
+        end = _object_end(mm, m.start())
+        after = _NONSPACE.search(mm, end) if end is not None else None
+        if after is None or mm[after.start()] not in (0x2C, 0x5D):
+            continue
+        try:
+            rec = json.loads(bytes(mm[m.start():end]))
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(rec, dict) and any(k in rec for k in _RECORD_KEYS):
+            return m.start()
+    return None
 
 
 def _iter_jsonl(path: Path, stats: ReadStats, start: int) -> Iterator[tuple[int, str, dict]]:
@@ -540,9 +623,11 @@ def _prompt_turns(rec: dict, where: str) -> list[str]:
                           "give prompts as {\"prompt\": \"...\"} or {\"turns\": [\"...\", ...]}")
 
 
-def load_prompts(name_or_path: str, max_prompts: Optional[int] = None) -> list[Prompt]:
+def load_prompts(name_or_path: str, max_prompts: Optional[int] = None,
+                 exclude: Optional[Callable[[str], bool]] = None) -> list[Prompt]:
     """Prompts of a benchmark: builtin mtbench, humaneval, sharegpt (user turns of each conversation),
-    or a .jsonl file whose records have `prompt`, `turns`, or `messages`/`conversations`."""
+    or a .jsonl file whose records have `prompt`, `turns`, or `messages`/`conversations`. A record
+    whose id `exclude` accepts (part of a training conversation) is passed over before max_prompts counts."""
     path, fmt = resolve_source(name_or_path)
     default_category = name_or_path if name_or_path in BUILTINS else path.name.split(".")[0]
     out: list[Prompt] = []
@@ -552,7 +637,7 @@ def load_prompts(name_or_path: str, max_prompts: Optional[int] = None) -> list[P
     try:
         for index, where, rec in records:
             turns = _prompt_turns(rec, where)
-            if not turns:
+            if not turns or (exclude is not None and exclude(source_id(rec, index))):
                 continue
             out.append(Prompt(source_id(rec, index), turns, str(rec.get("category") or default_category)))
             if max_prompts is not None and len(out) >= max_prompts:

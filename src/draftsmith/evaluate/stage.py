@@ -21,9 +21,11 @@ from typing import Any, Optional
 
 from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
                          finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
-                         stage_dir, write_manifest)
+                         stage_dir, verify_shards, write_manifest)
 from ..config import EvaluateConfig, Recipe, check_recipe
-from ..data.readers import Prompt, load_prompts
+from ..data.conversations import conversation_keys, conversation_of
+from ..data.readers import Prompt, load_prompts, resolve_source
+from ..data.shards import source_ids
 from ..draft.io import load_drafter, read_drafter_config
 from ..speculate.cache import CAPTURE_FALLBACKS, seeded_generator
 from ..target.model import eos_token_ids, load_target
@@ -61,6 +63,41 @@ def load_models(recipe: Recipe, drafter_dir: Path):
         raise DraftsmithError(f"{cfg_path}: drafter does not fit target {t.path} ({what}); retrain it for this target")
     drafter = load_drafter(drafter_dir, device=target.device, dtype=target.dtype)
     return target, drafter
+
+
+def trained_conversations(run_dir: Path) -> tuple[Optional[Path], set]:
+    """(the file prepare read, the conversations of its samples): a benchmark read from that file
+    must not measure on a conversation any part of which the drafter trained on. Every prepared
+    sample counts (train's own held-out ones too), so the exclusion never depends on train's split."""
+    data_dir = stage_dir(run_dir, "prepare")
+    m = load_manifest(data_dir)
+    path = ((m or {}).get("source") or {}).get("path")
+    if not path:
+        return None, set()
+    ids: list = []
+    for s in verify_shards(data_dir, m, check_hash=False):
+        entry = next(e for e in m["shards"] if e["file"] == s.name)
+        ids += source_ids(s, int(entry["num_samples"])) or [None] * int(entry["num_samples"])
+    return Path(path).resolve(), set(conversation_keys(ids, list(range(len(ids)))))
+
+
+def benchmark_prompts(cfg: EvaluateConfig, run_dir: Path) -> tuple[list[tuple[str, str, Prompt]], int]:
+    """(key, benchmark, prompt) of every prompt evaluate measures, and how many were passed over as
+    part of a training conversation (a benchmark that is the file prepare read; ShareGPT parts
+    `abc_0`, `abc_1` are one conversation, data/conversations.py)."""
+    source, trained = trained_conversations(run_dir)
+    todo, excluded = [], [0]
+
+    def in_training(record_id: str) -> bool:
+        hit = conversation_of(record_id, trained) is not None
+        excluded[0] += hit
+        return hit
+
+    for bench in cfg.benchmarks:
+        same = source is not None and resolve_source(bench)[0].resolve() == source
+        prompts = load_prompts(bench, cfg.max_prompts, in_training if same else None)
+        todo += [(f"{bench}#{i}", bench, p) for i, p in enumerate(prompts)]
+    return todo, excluded[0]
 
 
 def render_prompt(tokenizer, text: str | list[dict], where: str) -> list[int]:
@@ -305,7 +342,9 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     runners = DecodeRunners(target, drafter, cfg.fast)
     rounds = "; EAGLE-3 rounds on the device" if cfg.resident and runners.mode != "off" else ""
     log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
-    todo = [(f"{bench}#{i}", bench, p) for bench in cfg.benchmarks for i, p in enumerate(load_prompts(bench, cfg.max_prompts))]
+    todo, in_training = benchmark_prompts(cfg, run_dir)
+    if in_training:
+        log(f"[evaluate] {in_training} prompt(s) passed over: part of a conversation prepare gave to training")
 
     manifest = new_manifest("evaluate", fp, cfg, {"train": train["fingerprint"],
                                                   "drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
@@ -368,6 +407,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         manifest["metrics"]["by_temperature"] = {
             f"{T:g}": manifest_figures(m[0], replace(cfg, temperature=T), methods, len(m[3]), len(m[2]), runners.mode,
                                        len(m[4]))[1]["methods"] for T, m in measured.items()}
+    manifest["counts"]["prompts_in_training"] = in_training
     if step_costs:
         manifest["step_costs"] = step_costs
     manifest["timings"] = {"plain_s": sum(m[0]["plain"]["plain_s"] for m in measured.values()),

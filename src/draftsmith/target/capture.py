@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, atomic_write_json, finish_manifest, load_manifest, log, new_manifest,
-                         remove_temp_files, require_complete, rerun_command, safe_join, sha256_file, stage_dir, token_stage, verify_shards,
-                         write_manifest)
+from ..artifacts import (DraftsmithError, atomic_write_json, checksum_matches, file_stamp, finish_manifest, load_manifest, log,
+                         new_manifest, remove_temp_files, require_complete, rerun_command, safe_join, stage_dir, token_stage,
+                         verify_shards, write_manifest)
 from ..config import Recipe
 from ..distributed import barrier, from_rank0, init_distributed, rank_device
 from ..data.shards import STORAGE_DTYPES, Sample, bytes_per_token, length_batches, read_shard, write_shard
@@ -78,7 +78,8 @@ def _rank_file(out_dir: Path, rank: int) -> Path:
 
 
 def _listed(out_dir: Path, m: dict, fp: str) -> dict[str, dict]:
-    """Shard entries finished so far: the manifest's and those in every rank's file of this fingerprint."""
+    """Shard entries finished so far: the manifest's and those in every rank's file of this fingerprint
+    (whose checksum stamps join the manifest's `verified`)."""
     entries = {s["file"]: s for s in m["shards"]}
     for p in sorted(out_dir.glob(".rank-*.json")):
         try:
@@ -87,15 +88,18 @@ def _listed(out_dir: Path, m: dict, fp: str) -> dict[str, dict]:
             continue  # written atomically, so only a foreign file lands here
         if part.get("fingerprint") == fp:
             entries.update({s["file"]: s for s in part["shards"]})
+            m.setdefault("verified", {}).update(part.get("verified", {}))
     return entries
 
 
 def _drop_damaged(out_dir: Path, entries: dict[str, dict], m: dict) -> None:
     """Unlist (from `entries`, the manifest and every rank file) and delete the listed shards whose
     file is missing or does not match its sha256, so this run captures them again instead of
-    marking a capture complete over them."""
-    bad = [n for n, e in entries.items()
-           if not (safe_join(out_dir, n).is_file() and sha256_file(safe_join(out_dir, n)) == e.get("sha256"))]
+    marking a capture complete over them. A shard whose size and mtime_ns are those stamped when its
+    checksum was computed (manifest `verified`) is not hashed again (artifacts.checksum_matches):
+    resuming a complete capture costs milliseconds, not a read of every byte."""
+    verified = m.setdefault("verified", {})
+    bad = [n for n, e in entries.items() if not checksum_matches(safe_join(out_dir, n), str(e.get("sha256")), verified)]
     if not bad:
         return
     for n in bad:
@@ -114,6 +118,8 @@ def _drop_damaged(out_dir: Path, entries: dict[str, dict], m: dict) -> None:
 
 def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
     m["shards"] = [entries[n] for n in order if n in entries]
+    m["verified"] = {n: v for n, v in sorted(m.get("verified", {}).items())
+                     if n in entries and v.get("sha256") == entries[n]["sha256"]}
     m["counts"] = {"samples": sum(s["num_samples"] for s in m["shards"]),
                    "tokens": sum(s["num_tokens"] for s in m["shards"]),
                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
@@ -167,14 +173,17 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     entries = _listed(out_dir, m, fp)
     mine = [p for i, p in enumerate(data_shards) if i % info.world_size == info.rank]
     done_mine = [entries[p.name] for p in mine if p.name in entries]
+    stamps = {n: v for n, v in m.get("verified", {}).items() if n in {e["file"] for e in done_mine}}
 
     def record(write, rejected: int) -> None:
         """A shard's write finished: list it in this rank's file (and the manifest, for `status`)."""
         entry = write.result()
         entry["rejected_nonfinite"] = rejected
         done_mine.append(entry)
-        atomic_write_json(_rank_file(out_dir, info.rank), {"fingerprint": fp, "shards": done_mine})
+        stamps[entry["file"]] = {"sha256": entry["sha256"], **file_stamp(out_dir / entry["file"])}  # hashed as written
+        atomic_write_json(_rank_file(out_dir, info.rank), {"fingerprint": fp, "shards": done_mine, "verified": stamps})
         if info.is_main and info.world_size == 1:
+            m.setdefault("verified", {}).update(stamps)
             _merge(m, {**entries, **{e["file"]: e for e in done_mine}}, names)
             write_manifest(out_dir, m)
 

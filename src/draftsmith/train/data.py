@@ -81,7 +81,7 @@ class CaptureIndex(_Lengths):
         self.input_ids: list[torch.Tensor] = []
         self.loss_mask: list[torch.Tensor] = []
         self.sample_index: list[int] = []  # the sample's record in the source
-        self.source_id: list[Optional[str]] = []  # its id there (None: a shard written without ids); heldout.conversation_keys
+        self.source_id: list[Optional[str]] = []  # its id there (None: a shard written without ids); data.conversations.conversation_keys
         self.dropped = 0
         for si, p in enumerate(self.paths):
             try:

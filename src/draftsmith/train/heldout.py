@@ -2,7 +2,7 @@
 overfitting test, the `heldout` record of the train manifest, the learning curve, and the
 engine's measured tau on held-out prompts at the end.
 
-    conversation_keys(source_ids, sample_index) -> each sample's conversation (ShareGPT parts joined)
+    (the split groups samples by data/conversations.py's conversation_keys: ShareGPT parts joined)
     split_by_conversation(conversations, heldout, seed) -> (train ids, held-out ids)
     overfitting(evals, key)  -> {from_step, to_step, heldout_from, heldout_to, train_from, train_to} | None
     heldout_record(evals, best, samples, conversations, keep_best) -> manifest["metrics"]["heldout"] (status.py reads it)
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import io
 import math
-import re
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Hashable, Optional, Sequence, Union
@@ -43,11 +41,6 @@ AUTO_EVALS_PER_RUN = 10
 # few hundred samples is well under it).
 FALL_TOLERANCE = 0.01
 FALLING_EVALS = 2
-# ShareGPT cuts a long conversation into records `<id>_<turn>` (`QWJhYvA_0`, `QWJhYvA_11`); the
-# builtin file has up to 89 parts per conversation. A stem shared by more records than this (or by
-# more than half of them) is a naming scheme (`sample_0`, `sample_1`, ...), not one conversation.
-SHAREGPT_PART = re.compile(r"_\d+$")
-MAX_PARTS = 256
 ENGINE_MAX_NEW_TOKENS = 64
 
 
@@ -63,18 +56,6 @@ def eval_interval(setting: Union[int, str], total_steps: int) -> int:
     if setting == "auto":
         return max(1, math.ceil(total_steps / AUTO_EVALS_PER_RUN))
     return int(setting)
-
-
-def conversation_keys(source_ids: Sequence[Optional[str]], sample_index: Sequence[int]) -> list[Hashable]:
-    """Each sample's conversation, the unit the held-out split keeps whole: the stem of its source
-    id (ShareGPT's parts `abc_0`, `abc_1` of one long conversation share the stem `abc`), except
-    for a stem shared by more than MAX_PARTS samples or by more than half of them (a naming scheme:
-    those keep their whole ids). Samples of shards written without source ids: their record index."""
-    if not source_ids or any(i is None for i in source_ids):
-        return list(sample_index)
-    stems = [SHAREGPT_PART.sub("", i) for i in source_ids]
-    parts = Counter(stems)
-    return [stem if parts[stem] <= MAX_PARTS and 2 * parts[stem] <= len(stems) else i for stem, i in zip(stems, source_ids)]
 
 
 def split_by_conversation(conversations: Sequence[Hashable], heldout: int, seed: int) -> tuple[list[int], list[int]]:

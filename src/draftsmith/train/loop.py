@@ -81,7 +81,8 @@ from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
 from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
 from .flops import peak_flops, train_flops_per_token
-from .heldout import (BEST_FIGURES, conversation_keys, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record,
+from ..data.conversations import conversation_keys
+from .heldout import (BEST_FIGURES, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record,
                       overfitting, plot_learning_curve, split_by_conversation)
 from .ttt import TTTLoss, position_weights, simulated_tau
 
