@@ -14,7 +14,7 @@ from draftsmith.data.shards import Sample, write_shard
 from draftsmith.draft.io import load_drafter
 from draftsmith.target.model import read_target_embeddings
 from draftsmith.testing import killed_at_step, make_model_dir
-from draftsmith.train.data import epoch_plan
+from draftsmith.train.data import epoch_plan, total_steps_of
 from draftsmith.train.heldout import conversation_keys, split_by_conversation
 from draftsmith.train.ttt import simulated_tau
 
@@ -195,7 +195,7 @@ def test_token_budget_sets_the_step_count_and_schedule(tmp_path, target_dir):
     assert [r["lr"] for r in recs] == pytest.approx([loop.lr_at(s, 5, 1e-2, 1, 0.1) for s in range(1, 6)])
     assert recs[-1]["lr"] == pytest.approx(1e-3)  # the schedule ends at the budget
     recipe.train.max_steps = 3  # both set: the smaller count wins
-    assert loop.total_steps_of(recipe, lambda e: 100, 1) == 3
+    assert total_steps_of(recipe, lambda e: 100, 1) == 3
 
 
 def test_minutes_budget_stops_cleanly_and_completes(tmp_path, target_dir):
