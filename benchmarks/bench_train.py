@@ -45,7 +45,7 @@ from draftsmith.train.data import CaptureIndex, Loader, epoch_plan, micro_batchi
 from draftsmith.train.flops import peak_flops, train_flops_per_token
 from draftsmith.train.state import ADAM_BETAS, compile_loss
 from draftsmith.train.ttt import TTTLoss, position_weights
-from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
+from draftsmith.draft.vocab import VOCAB_FILE, draft_ids, load_vocab
 
 
 def drafter_cfg(hidden: int, target_vocab: int, draft_vocab: int, heads: int, kv_heads: int, head_dim: int,

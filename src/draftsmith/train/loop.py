@@ -58,8 +58,8 @@ from ..config import Recipe, check_recipe, heldout_sample_temperature
 from ..distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded
 from ..draft.build import drafter_config, init_drafter
 from ..draft.model import Eagle3Config
+from ..draft.vocab import VOCAB_FILE, draft_ids, load_vocab
 from ..target.model import read_target_embeddings, resolve_dtype
-from ..vocab import VOCAB_FILE, draft_ids, load_vocab
 from .checkpoint import find_latest, save_checkpoint
 from .data import Loader, epoch_plan, micro_batching, total_steps_of
 from .finish import finish, full_drafter, header, log_window, save_drafter_atomic, scalars, window_metrics
