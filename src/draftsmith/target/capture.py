@@ -76,6 +76,14 @@ def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
 
 
+def skip_reason(recipe: Recipe) -> str | None:
+    """Why the stage does not run (stages.Stage.skipped): online training runs the target itself."""
+    if getattr(recipe.train, "online", False):
+        return ("train.online is true; skipped (train runs the target on the token shards itself, nothing is written to disk); "
+                "set train.online: false to capture")
+    return None
+
+
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     cfg = recipe.capture
     info = init_distributed(recipe.target.device)

@@ -29,7 +29,7 @@ from typing import Hashable, Optional, Sequence, Union
 import torch
 
 from ..artifacts import DraftsmithError
-from ..config import Recipe
+from ..config import Recipe, heldout_sample_temperature
 from ..draft.io import load_drafter
 from ..speculate.methods import decode, load_models, prompt_budget
 from ..target.model import Target, eos_token_ids, load_tokenizer
@@ -48,6 +48,15 @@ FALLING_EVALS = 2
 SHAREGPT_PART = re.compile(r"_\d+$")
 MAX_PARTS = 256
 ENGINE_MAX_NEW_TOKENS = 64
+
+
+EXTRA_NAME = "the temperature train.keep_best sampled picks at (evaluate.temperature, 1 when greedy)"
+
+
+def fingerprint_extra(recipe: Recipe) -> Optional[tuple[str, float]]:
+    """The train stage's extra fingerprint input (stages.Stage.extra): with train.keep_best sampled, the
+    best drafter is picked at evaluate's temperature."""
+    return ("sample_temperature", heldout_sample_temperature(recipe)) if recipe.train.keep_best == "sampled" else None
 
 
 def heldout_count(setting: Union[int, str], num_samples: int) -> int:

@@ -30,6 +30,17 @@ from ..target.online import online_batch
 from .data import CaptureIndex, TokenIndex
 
 
+ONLINE_INPUTS: tuple[tuple[str, ...], tuple[str, ...]] = (("draft", "train", "seed", "capture"), ("prepare", "regenerate", "vocab"))
+"""The train stage's (config sections, upstream stages) when train.online is set: it reads the
+token shards and runs the target itself, so capture is not upstream, but capture's
+storage_dtype and batch_tokens shape the hidden states it trains on."""
+
+
+def stage_inputs(recipe: Recipe) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """The train stage's inputs in this recipe (stages.Stage.inputs): ONLINE_INPUTS online, else the table's."""
+    return ONLINE_INPUTS if getattr(recipe.train, "online", False) else None
+
+
 def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
     """The target for online training (recipe.target), on this rank's GPU under torchrun as in
     capture; (target, load seconds). No tokenizer: the token shards are already tokenized."""
