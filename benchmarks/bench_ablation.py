@@ -111,7 +111,7 @@ def heldout_acceptance(drafter, capture_dir: Path, target_path: str, depth: int,
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex, epoch_plan
     from draftsmith.train.ttt import ttt_loss
-    from draftsmith.vocab import draft_ids
+    from draftsmith.draft.vocab import draft_ids
 
     m = require_complete(capture_dir, "capture")
     index = CaptureIndex(verify_shards(capture_dir, m, check_hash=False), max_length, int(m["hidden_size"]),

@@ -24,7 +24,7 @@ import torch
 
 from draftsmith.artifacts import atomic_write_text
 from draftsmith.data.shards import Sample, write_shard
-from draftsmith.target.capture import capture_samples
+from draftsmith.target.online import capture_samples
 from draftsmith.target.model import load_target
 
 

@@ -75,7 +75,8 @@ from draftsmith.config import DraftConfig  # noqa: E402
 from draftsmith.draft.build import drafter_config  # noqa: E402
 from draftsmith.draft.model import Eagle3Drafter  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline, measure_step_costs  # noqa: E402
-from draftsmith.evaluate.measure import DecodeRunners, timed  # noqa: E402
+from draftsmith.evaluate.measure import timed  # noqa: E402
+from draftsmith.speculate.methods import DecodeRunners  # noqa: E402
 from draftsmith.plan import predict  # noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer  # noqa: E402

@@ -152,7 +152,7 @@ def _train_peer(args, recipe, seed: int, out_dir: Path, compiled: str, compile_f
 
     from draftsmith.export.conventions import to_vllm
     from draftsmith.train.data import CaptureIndex
-    from draftsmith.vocab import VOCAB_FILE, load_vocab
+    from draftsmith.draft.vocab import VOCAB_FILE, load_vocab
 
     if compiled == "attention":
         _eager_forward_compiled_attention()

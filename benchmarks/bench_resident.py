@@ -30,8 +30,9 @@ from draftsmith.artifacts import atomic_write_json  # noqa: E402
 from draftsmith.config import parse_recipe  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
-from draftsmith.evaluate.measure import DecodeRunners, evaluate_batch, run_method, run_plain  # noqa: E402
-from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.evaluate.measure import evaluate_batch, run_method, run_plain  # noqa: E402
+from draftsmith.evaluate.stage import render_prompt  # noqa: E402
+from draftsmith.speculate.methods import DecodeRunners, load_models  # noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.target.model import eos_token_ids  # noqa: E402
 

@@ -31,9 +31,10 @@ from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.config import EvaluateConfig, Recipe, TargetConfig  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline, measure_step_costs  # noqa: E402
-from draftsmith.evaluate.measure import DecodeRunners, evaluate_batch, evaluate_prompt  # noqa: E402
+from draftsmith.evaluate.measure import evaluate_batch, evaluate_prompt  # noqa: E402
 from draftsmith.evaluate.report import fmt, ratio, summarize  # noqa: E402
-from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.evaluate.stage import render_prompt  # noqa: E402
+from draftsmith.speculate.methods import DecodeRunners, load_models  # noqa: E402
 from draftsmith.target.model import eos_token_ids  # noqa: E402
 
 

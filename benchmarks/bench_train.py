@@ -41,11 +41,11 @@ from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import Eagle3Config, Eagle3Drafter
 from draftsmith.target.model import read_target_embeddings
-from draftsmith.train.data import CaptureIndex, Loader, epoch_plan
+from draftsmith.train.data import CaptureIndex, Loader, epoch_plan, micro_batching
 from draftsmith.train.flops import peak_flops, train_flops_per_token
-from draftsmith.train.loop import ADAM_BETAS, compile_loss, micro_batching
+from draftsmith.train.state import ADAM_BETAS, compile_loss
 from draftsmith.train.ttt import TTTLoss, position_weights
-from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
+from draftsmith.draft.vocab import VOCAB_FILE, draft_ids, load_vocab
 
 
 def drafter_cfg(hidden: int, target_vocab: int, draft_vocab: int, heads: int, kv_heads: int, head_dim: int,

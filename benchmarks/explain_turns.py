@@ -26,7 +26,7 @@ import torch
 from draftsmith.artifacts import DraftsmithError, atomic_write_json, read_json, require_complete, stage_dir
 from draftsmith.config import parse_recipe
 from draftsmith.evaluate.explain import explain_turn, predictions
-from draftsmith.evaluate.stage import load_models
+from draftsmith.speculate.methods import load_models
 from draftsmith.target.model import resolve_dtype
 
 

@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from draftsmith.config import parse_recipe  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
-from draftsmith.evaluate.measure import DecodeRunners, run_method  # noqa: E402
-from draftsmith.evaluate.stage import load_models, render_prompt  # noqa: E402
+from draftsmith.evaluate.measure import run_method  # noqa: E402
+from draftsmith.evaluate.stage import render_prompt  # noqa: E402
+from draftsmith.speculate.methods import DecodeRunners, load_models  # noqa: E402
 from draftsmith.target.model import eos_token_ids  # noqa: E402
 
 

@@ -196,7 +196,7 @@ def test_heldout_rows_have_one_shape_and_the_padded_figures(tmp_path, monkeypatc
     from draftsmith.draft.io import load_drafter
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex
-    from draftsmith.vocab import draft_ids
+    from draftsmith.draft.vocab import draft_ids
 
     recipe_path, base, heldout = bench_ablation.make_smoke(tmp_path)
     recipe = bench_ablation.recipe_for(recipe_path, Path(base), 0, [])

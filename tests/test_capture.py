@@ -200,7 +200,7 @@ def test_nonfinite_states_reject_only_their_sample_and_padding_is_ignored(tmp_pa
     """capture_samples checks NaN/inf over each sample's own tokens: a NaN in a padded column
     (beyond a short sample's end) rejects nothing; one in a sample's tokens rejects that sample."""
     from draftsmith.data.shards import Sample
-    from draftsmith.target.capture import capture_samples
+    from draftsmith.target.online import capture_samples
     from draftsmith.target.model import TargetOutput, load_target
 
     target = load_target(make_model_dir(tmp_path / "m", num_layers=2), device="cpu", dtype="float32")

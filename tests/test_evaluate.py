@@ -9,6 +9,7 @@ import torch
 
 from draftsmith import pipeline
 from draftsmith.evaluate import measure, stage
+from draftsmith.speculate import methods
 from draftsmith.artifacts import DraftsmithError, Ledger, load_manifest, new_manifest, finish_manifest, read_json
 from draftsmith.config import DraftConfig, EvaluateConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
@@ -114,19 +115,19 @@ def test_evaluate_resumes_after_finished_prompts(recipe, monkeypatch):
 
 def break_the_tree(monkeypatch, only_prompt: int | None = None):
     """The tree's output (not the warm-up's) made to leave plain decoding at new token 5: on every prompt,
-    or only on the `only_prompt`-th (0-based) it decodes. Returns the real measure.generate."""
-    real, seen = measure.generate, []
+    or only on the `only_prompt`-th (0-based) it decodes. Returns the real speculate.methods.generate."""
+    real, seen = methods.generate, []
 
     def broken(target, proposer, prompts, n, *a, **kw):
         new, st = real(target, proposer, prompts, n, *a, **kw)
-        if isinstance(proposer, measure.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
+        if isinstance(proposer, methods.Eagle3Proposer) and proposer.topk > 1 and n > 8:  # the tree; not the warm-up
             if tuple(prompts[0]) not in seen:
                 seen.append(tuple(prompts[0]))
             if only_prompt is None or seen.index(tuple(prompts[0])) == only_prompt:
                 new[0][5] = (new[0][5] + 1) % target.vocab_size
         return new, st
 
-    monkeypatch.setattr(measure, "generate", broken)
+    monkeypatch.setattr(methods, "generate", broken)
     return real
 
 
@@ -261,7 +262,7 @@ def test_a_lossless_stop_keeps_the_measured_turns(recipe, monkeypatch):
     q1 = read_json(eval_dir / "results.json")["prompts"][1]["methods"]["eagle3_tree"]
     assert (q1["lossless"], q1["first_difference"], q1["divergence"]) == (False, 5, "bug")
 
-    monkeypatch.setattr(measure, "generate", real)  # from here only the recorded divergence can stop it
+    monkeypatch.setattr(methods, "generate", real)  # from here only the recorded divergence can stop it
     done = read_json(eval_dir / "manifest.json")
     json.dump({**done, "status": "running"}, open(eval_dir / "manifest.json", "w"))  # as if killed at the end
     recipe.evaluate.check_lossless = True
@@ -427,7 +428,7 @@ def test_ngram_draft_length_is_its_own_setting():
     """evaluate.ngram_steps sets n-gram's drafts per round apart from the drafter's depth (unset: draft_steps),
     so evaluating a drafter at its trained depth does not shorten the baseline's drafts; 0 is refused."""
     from draftsmith.config import EvaluateConfig, Recipe, check_recipe
-    from draftsmith.evaluate.measure import method_depth
+    from draftsmith.speculate.methods import method_depth
 
     assert method_depth(EvaluateConfig(draft_steps=2), "ngram") == 2
     cfg = EvaluateConfig(draft_steps=2, tree_depth=2, ngram_steps=3)

@@ -194,15 +194,15 @@ def test_evaluate_measures_again_a_run_that_captured(target, plains, fitted, mon
     the second run is the one returned; a run that only replays is run once."""
     from draftsmith.config import EvaluateConfig
     from draftsmith.evaluate import measure
-    from draftsmith.speculate import fast
+    from draftsmith.speculate import fast, methods
 
     monkeypatch.setattr(fast, "resolve_mode", lambda mode, device, key="": mode)
     fast_mode("emulated", monkeypatch)
-    runners = measure.DecodeRunners(target, fitted, "graphs")
+    runners = methods.DecodeRunners(target, fitted, "graphs")
     calls = []
-    real_plain, real_generate = FastTarget.plain, measure.generate
+    real_plain, real_generate = FastTarget.plain, methods.generate
     monkeypatch.setattr(FastTarget, "plain", lambda self, *a, **k: calls.append("plain") or real_plain(self, *a, **k))
-    monkeypatch.setattr(measure, "generate", lambda *a, **k: calls.append("chain") or real_generate(*a, **k))
+    monkeypatch.setattr(methods, "generate", lambda *a, **k: calls.append("chain") or real_generate(*a, **k))
     cfg = EvaluateConfig(max_new_tokens=24, draft_steps=4)
     for n, runs in ((24, 2), (24, 1), (260, 2), (260, 1)):  # new graphs, replays, a wider attention, replays
         calls.clear()
@@ -388,7 +388,7 @@ def test_compiled_drafter_regions_keep_drafts(target, plains):
 def test_auto_falls_back_to_eager_where_the_fast_path_cannot_run(tmp_path, monkeypatch):
     """A target with sliding-window layers (gpt-oss) has no plain static cache: an explicit fast
     mode is a clear error; `auto` (graphs on a GPU, simulated here) falls back to eager decoding."""
-    from draftsmith.evaluate.measure import DecodeRunners
+    from draftsmith.speculate.methods import DecodeRunners
     from draftsmith.speculate import fast
 
     path = make_model_dir(tmp_path, arch="gpt_oss", num_layers=2)

@@ -1,5 +1,6 @@
 """The import graph of src/draftsmith, read from the AST (module-level and function-local imports
-alike): no cycle, and no import running back up the layers of docs/architecture.md; inside
+alike): no cycle, no import running back up the layers of docs/architecture.md, and no stage
+importing a sibling stage (STAGES: what two stages share sits a layer below them); inside
 speculate/ no cycle either (its files are layers of their own: tree/cache, verifier, proposers,
 the loop) and no file reaches into another's private names (`x._verify(...)`, `from .a import _b`);
 and no module imports a name it never uses. Nothing is imported or run; the files are parsed.
@@ -20,19 +21,23 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("draftsmith.cli",)),
     ("pipeline and stage table", ("draftsmith.pipeline", "draftsmith.stages")),
     ("stages and tools", ("draftsmith.data.prepare", "draftsmith.data.regenerate", "draftsmith.target.capture",
-                          "draftsmith.target.online", "draftsmith.vocab", "draftsmith.train", "draftsmith.evaluate",
+                          "draftsmith.vocab", "draftsmith.train", "draftsmith.evaluate",
                           "draftsmith.export", "draftsmith.plan", "draftsmith.status", "draftsmith.doctor",
                           "draftsmith.probe", "draftsmith.serve", "draftsmith.testing")),
     ("engine", ("draftsmith.speculate",)),
-    ("models and formats", ("draftsmith.draft", "draftsmith.target.model", "draftsmith.data.shards",
-                            "draftsmith.data.batch", "draftsmith.data.readers", "draftsmith.data.template",
-                            "draftsmith.data.conversations")),
+    ("models and formats", ("draftsmith.draft", "draftsmith.target.model", "draftsmith.target.online",
+                            "draftsmith.data.shards", "draftsmith.data.batch", "draftsmith.data.readers",
+                            "draftsmith.data.template", "draftsmith.data.conversations")),
     ("foundations", ("draftsmith.config", "draftsmith.artifacts", "draftsmith.distributed", "draftsmith.costmodel",
                      "draftsmith.compat")),
 ]
 PACKAGES = ("draftsmith", "draftsmith.data", "draftsmith.target", "draftsmith.draft")  # namespaces only: no code
 TOOLS = ("draftsmith.plan", "draftsmith.status", "draftsmith.doctor")
 """They read manifests and the cost model: they import no stage, no pipeline, no CLI."""
+STAGES = ("draftsmith.data.prepare", "draftsmith.data.regenerate", "draftsmith.target.capture", "draftsmith.vocab",
+          "draftsmith.train", "draftsmith.evaluate", "draftsmith.export")
+"""The stages' modules (a package: all its files): a stage reads another's output from the run
+directory, never its code; what two stages share sits a layer below (engine, models and formats)."""
 ENGINE = "draftsmith.speculate"
 """The engine's files are one node in the package-wide check; `engine_violations` checks inside it."""
 
@@ -83,6 +88,10 @@ def layer_of(mod: str) -> int:
     if where is None:
         raise AssertionError(f"{mod}: in no layer of tests/test_layering.py; add it to LAYERS (and docs/architecture.md)")
     return where
+
+
+def stage_of(mod: str) -> str | None:
+    return next((p for p in STAGES if mod == p or mod.startswith(p + ".")), None)
 
 
 def node(mod: str) -> str:
@@ -173,6 +182,8 @@ def violations(src: Path) -> list[str]:
                 out.append(f"upward: {a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})")
             elif a in TOOLS and layer_of(b) == layer_of(a) and b not in TOOLS:
                 out.append(f"tool imports a stage: {a} imports {b}")
+            elif stage_of(a) and stage_of(b) and stage_of(a) != stage_of(b):
+                out.append(f"stage imports a sibling stage: {a} imports {b}")
             elif a.startswith("draftsmith.draft.") and layer_of(b) == layer_of(a) and not b.startswith("draftsmith.draft."):
                 out.append(f"draft/ is not self-contained: {a} imports {b}")
             elif a.startswith("draftsmith.target.") and b.startswith("draftsmith.train."):
@@ -246,6 +257,21 @@ def test_the_graph_sees_function_local_imports(tmp_path):
     found = violations(tmp_path)
     assert "cycle: draftsmith.artifacts <-> draftsmith.config" in found
     assert "upward: draftsmith.status (stages and tools) imports draftsmith.cli (cli)" in found
+
+
+def test_a_stage_importing_a_sibling_stage_is_found(tmp_path):
+    """The checker itself: train/ importing evaluate/ is reported; a stage's own files, and a
+    stage importing a layer below it, are not."""
+    for folder in ("train", "evaluate", "speculate"):
+        (tmp_path / "draftsmith" / folder).mkdir(parents=True)
+        (tmp_path / "draftsmith" / folder / "__init__.py").write_text("")
+    (tmp_path / "draftsmith" / "__init__.py").write_text("")
+    (tmp_path / "draftsmith" / "speculate" / "methods.py").write_text("")
+    (tmp_path / "draftsmith" / "evaluate" / "stage.py").write_text("from ..speculate import methods\n")
+    (tmp_path / "draftsmith" / "train" / "heldout.py").write_text("from ..evaluate.stage import x\nfrom . import loop\n")
+    (tmp_path / "draftsmith" / "train" / "loop.py").write_text("from ..speculate.methods import y\n")
+    found = [f for f in violations(tmp_path) if f.startswith("stage")]
+    assert found == ["stage imports a sibling stage: draftsmith.train.heldout imports draftsmith.evaluate.stage"]
 
 
 def test_speculate_cycles_and_private_reaches_are_found(tmp_path):

@@ -19,7 +19,7 @@ from draftsmith.target.online import online_batch, online_samples
 from draftsmith.testing import killed_at_step, make_model_dir
 from draftsmith.train.data import CaptureIndex, epoch_plan
 from draftsmith.train.ttt import ttt_loss
-from draftsmith.vocab import VOCAB_FILE, draft_ids, load_vocab
+from draftsmith.draft.vocab import VOCAB_FILE, draft_ids, load_vocab
 
 MAX_LENGTH = 64
 

@@ -16,7 +16,8 @@ from draftsmith.data.readers import ReadStats, read_conversations
 from draftsmith.data.shards import Sample, read_shard, write_shard
 from draftsmith.data.shards import length_batches
 from draftsmith.train.data import PACK_CHUNK_BATCHES, epoch_plan
-from draftsmith.vocab import build_vocab, draft_ids, load_vocab
+from draftsmith.draft.vocab import draft_ids, load_vocab
+from draftsmith.vocab import build_vocab
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -10,7 +10,7 @@ import torch
 
 from draftsmith.artifacts import DraftsmithError
 from draftsmith.data.shards import Sample
-from draftsmith.target.capture import capture_samples
+from draftsmith.target.online import capture_samples
 from draftsmith.target.model import load_target
 from draftsmith.testing import ARCHS, make_model_dir
 

@@ -14,7 +14,7 @@ from draftsmith.data.shards import Sample, write_shard
 from draftsmith.draft.io import load_drafter
 from draftsmith.target.model import read_target_embeddings
 from draftsmith.testing import killed_at_step, make_model_dir
-from draftsmith.train.data import epoch_plan
+from draftsmith.train.data import epoch_plan, total_steps_of
 from draftsmith.data.conversations import conversation_keys
 from draftsmith.train.heldout import split_by_conversation
 from draftsmith.train.ttt import simulated_tau
@@ -196,7 +196,7 @@ def test_token_budget_sets_the_step_count_and_schedule(tmp_path, target_dir):
     assert [r["lr"] for r in recs] == pytest.approx([loop.lr_at(s, 5, 1e-2, 1, 0.1) for s in range(1, 6)])
     assert recs[-1]["lr"] == pytest.approx(1e-3)  # the schedule ends at the budget
     recipe.train.max_steps = 3  # both set: the smaller count wins
-    assert loop.total_steps_of(recipe, lambda e: 100, 1) == 3
+    assert total_steps_of(recipe, lambda e: 100, 1) == 3
 
 
 def test_minutes_budget_stops_cleanly_and_completes(tmp_path, target_dir):
@@ -628,6 +628,6 @@ def test_engine_tau_without_a_round_is_skipped(monkeypatch):
 
     stats = SimpleNamespace(emitted_per_round=[], rounds=0)
     monkeypatch.setattr(heldout, "prompt_budget", lambda *a: None)
-    monkeypatch.setattr(heldout, "run_method", lambda *a, **k: ([[2]], [stats], 0.0))
+    monkeypatch.setattr(heldout, "decode", lambda *a, **k: ([[2]], [stats]))
     rec = heldout.engine_tau(None, None, [("a", [5, 6]), ("b", [7])], 8, 2, EvaluateConfig(), [2])
     assert rec == {"skipped": "no speculative round ran on 2 held-out prompt(s): each answer ended at its first token"}

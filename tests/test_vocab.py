@@ -5,7 +5,8 @@ from safetensors.torch import load_file, save_file
 from draftsmith.artifacts import DraftsmithError, finish_manifest, new_manifest, read_json, write_manifest
 from draftsmith.config import Recipe, TargetConfig, VocabConfig
 from draftsmith.testing import tiny_config
-from draftsmith.vocab import build_vocab, draft_ids, load_vocab, run
+from draftsmith.draft.vocab import draft_ids, load_vocab
+from draftsmith.vocab import build_vocab, run
 
 
 def test_build_vocab_golden():

@@ -33,45 +33,32 @@ from typing import Any, Optional
 import yaml
 
 from .artifacts import (MANIFEST, PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
-                        atomic_write_text, fingerprint, fingerprint_path, is_main_rank, load_manifest, log,
+                        atomic_write_text, fingerprint, is_main_rank, load_manifest, log,
                         output_fingerprint, process_cmdline, process_rank, process_start_time, process_started_at,
                         relative_hint, rerun_command, stage_dir, to_jsonable)
-from .config import Recipe, heldout_sample_temperature
-from .data.readers import resolve_source
-from .evaluate.stage import PARTIAL as EVAL_PARTIAL
+from .config import Recipe
 from .stages import STAGE_TABLE
-
-
-ONLINE_TRAIN_DEPS: tuple[tuple[str, ...], tuple[str, ...]] = (("draft", "train", "seed", "capture"), ("prepare", "regenerate", "vocab"))
-"""The train stage's (config sections, upstream stages) when train.online is set: it reads the
-token shards and runs the target itself, so capture is not upstream, but capture's
-storage_dtype and batch_tokens shape the hidden states it trains on."""
-
-
-def online(recipe: Recipe) -> bool:
-    return bool(getattr(recipe.train, "online", False))
 
 
 def sections_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
     """Config sections that a stage's fingerprint covers in this recipe."""
-    return ONLINE_TRAIN_DEPS[0] if stage == "train" and online(recipe) else STAGE_TABLE[stage].sections
+    st = STAGE_TABLE[stage]
+    inputs = st.inputs(recipe) if st.inputs else None
+    return inputs[0] if inputs else st.sections
 
 
 def upstream_of(stage: str, recipe: Recipe) -> tuple[str, ...]:
-    """A stage's upstream stages in this recipe: regenerate counts only when enabled; with
-    train.online, train reads the token shards (prepare/regenerate) and vocab, not capture."""
-    ups = ONLINE_TRAIN_DEPS[1] if stage == "train" and online(recipe) else STAGE_TABLE[stage].upstream
-    return tuple(u for u in ups if u != "regenerate" or recipe.regenerate.enabled)
+    """A stage's upstream stages in this recipe: a skipped stage is none's (regenerate counts only when
+    enabled); a stage's `inputs` may change them (train.online: the token shards and vocab, not capture)."""
+    st = STAGE_TABLE[stage]
+    inputs = st.inputs(recipe) if st.inputs else None
+    return tuple(u for u in (inputs[1] if inputs else st.upstream) if skip_reason(u, recipe) is None)
 
 
 def skip_reason(stage: str, recipe: Recipe) -> str | None:
     """Why an optional stage does not run in this recipe (None: it runs)."""
-    if stage == "regenerate" and not recipe.regenerate.enabled:
-        return "regenerate.enabled is false; skipped (capture reads data/)"
-    if stage == "capture" and online(recipe):
-        return ("train.online is true; skipped (train runs the target on the token shards itself, nothing is written to disk); "
-                "set train.online: false to capture")
-    return None
+    skipped = STAGE_TABLE[stage].skipped
+    return skipped(recipe) if skipped else None
 
 
 def target_fingerprint(recipe: Recipe) -> str:
@@ -139,18 +126,8 @@ def fingerprint_parts(stage: str, recipe: Recipe, run_dir: Path) -> dict:
         section, name = key.split(".")
         if isinstance(cfg.get(section), dict) and name in cfg[section]:
             cfg[section][name] = value
-    extra = None
-    if stage == "prepare":  # the source's content, so an edited file reruns prepare
-        extra = fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
-    elif stage == "regenerate" and recipe.regenerate.temperature > 0:  # sampled answers are a function of the seed
-        extra = ("seed", recipe.seed)
-    elif stage == "train" and recipe.train.keep_best == "sampled":  # the best is picked at evaluate's temperature
-        extra = ("sample_temperature", heldout_sample_temperature(recipe))
+    extra = STAGE_TABLE[stage].extra(recipe) if STAGE_TABLE[stage].extra else None  # e.g. prepare's source content
     return to_jsonable({"config": cfg, "target": target_fingerprint(recipe), "upstream": up, "extra": extra})
-
-
-EXTRA_NAMES = {"prepare": "the source's content (prepare.source)", "regenerate": "the seed of sampled answers (seed)",
-               "train": "the temperature train.keep_best sampled picks at (evaluate.temperature, 1 when greedy)"}
 
 
 def what_changed(stage: str, old: dict, new: dict) -> list[str]:
@@ -171,10 +148,11 @@ def what_changed(stage: str, old: dict, new: dict) -> list[str]:
         out.append("the target (its files, aux_layer_ids or dtype)")
     ups = old.get("upstream") or {}
     out += [f"{u}'s output" for u in new["upstream"] if ups.get(u) != new["upstream"][u]]
-    if old.get("extra") != new["extra"]:  # prepare: a content hash; regenerate, train: (name, value) or None
-        named = lambda e: e[1] if isinstance(e, list) and len(e) == 2 else None  # noqa: E731
-        out.append(EXTRA_NAMES.get(stage, "extra")
-                   + ("" if stage == "prepare" else f" {show(named(old.get('extra')))} -> {show(named(new['extra']))}"))
+    if old.get("extra") != new["extra"]:  # a content hash (prepare), shown by name; or (name, value) or None, shown by value
+        pair = lambda e: isinstance(e, list) and len(e) == 2  # noqa: E731
+        named = lambda e: e[1] if pair(e) else None  # noqa: E731
+        shown = pair(old.get("extra")) or pair(new["extra"])
+        out.append(STAGE_TABLE[stage].extra_name + (f" {show(named(old.get('extra')))} -> {show(named(new['extra']))}" if shown else ""))
     return out
 
 
@@ -300,7 +278,7 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
         # Refused: bad input the stage found before writing anything, with a complete output set aside. That
         # output comes back unchanged, so the stage stays complete (status: done) and recipe.yaml stays its own.
         refused = isinstance(e, DraftsmithError) and _untouched(out_dir, prev, done_before)
-        if is_main_rank() and prev.exists() and not _running_for(out_dir, fp):  # nothing to resume: the old output back
+        if is_main_rank() and prev.exists() and not _running_for(stage, out_dir, fp):  # nothing to resume: the old output back
             _restore(out_dir, prev)
         if isinstance(e, KeyboardInterrupt):
             ledger.append("stage_interrupted", stage=stage, seconds=round(time.time() - t0, 3))
@@ -335,14 +313,16 @@ def _untouched(out_dir: Path, prev: Path, done_before: bytes | None) -> bool:
     return (out_dir / MANIFEST).is_file() and (out_dir / MANIFEST).read_bytes() == done_before
 
 
-def _running_for(out_dir: Path, fp: str) -> bool:
-    """True when out_dir holds a half-done run for `fp` that a rerun can resume (worth keeping)."""
+def _running_for(stage: str, out_dir: Path, fp: str) -> bool:
+    """True when out_dir holds a half-done run for `fp` that a rerun can resume (worth keeping): shards
+    it listed, or the stage's partial output (Stage.partial: evaluate's measured turns)."""
     try:
         m = load_manifest(out_dir)
     except DraftsmithError:
         return False
+    partial = STAGE_TABLE[stage].partial
     return (m is not None and m.get("status") == "running" and m.get("fingerprint") == fp
-            and (bool(m.get("shards")) or _nonempty(out_dir / EVAL_PARTIAL)))  # evaluate's measured turns
+            and (bool(m.get("shards")) or (partial is not None and _nonempty(out_dir / partial))))
 
 
 def _nonempty(path: Path) -> bool:

@@ -1,6 +1,9 @@
-"""The stage table: each stage's name, the function that runs it, the config sections its
-fingerprint covers and the stages whose output it reads. The pipeline runs it in this order; the
-CLI lists it. A stage takes its inputs from the run directory (artifacts.py), never from here.
+"""The stage table: each stage's name, the function that runs it, and what the pipeline needs to
+know of it, each declared by the stage's own module: the config sections its fingerprint covers
+and the stages whose output it reads (`inputs` where the recipe changes them), the keys left out,
+when it is skipped, an extra fingerprint input, a partial output a rerun resumes. The pipeline
+runs it in this order and names no stage itself; the CLI lists it. A stage takes its inputs from
+the run directory (artifacts.py), never from here.
 
     prepare ─▶ regenerate (optional) ─▶ capture ─┐
                                       └▶ vocab ───┴▶ train ─▶ evaluate
@@ -10,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from . import export, vocab
 from .config import Recipe
 from .data import prepare, regenerate
 from .evaluate import stage as evaluate
 from .target import capture
+from .train import heldout, sources
 from .train import loop as train
 
 
@@ -40,19 +44,36 @@ class Stage:
     distributed: bool = False
     """Runs on every rank under torchrun (it sets up the process group: capture, train, online training).
     A stage that is not runs on rank 0 only; the other ranks wait until rank 0 has finished it (pipeline.wait_for_rank0)."""
+    skipped: Optional[Callable[[Recipe], Optional[str]]] = None
+    """`skipped(recipe)`: why the stage does not run in this recipe (None: it runs); a skipped stage is
+    no other stage's upstream (regenerate off: capture and vocab read data/)."""
+    inputs: Optional[Callable[[Recipe], Optional[tuple[tuple[str, ...], tuple[str, ...]]]]] = None
+    """`inputs(recipe)`: (sections, upstream) in place of the two above where the recipe changes them
+    (train.online: the token shards and capture's settings instead of capture's output), else None."""
+    extra: Optional[Callable[[Recipe], Any]] = None
+    """`extra(recipe)`: an input its fingerprint covers beside its sections and upstream outputs (None:
+    none in this recipe); a (name, value) pair is shown by value when it changes, anything else by name."""
+    extra_name: str = "extra"
+    """How a rerun names a change of `extra` (pipeline.what_changed)."""
+    partial: Optional[str] = None
+    """A file in its output folder whose content a rerun resumes (evaluate's measured turns), beside the
+    shards its manifest lists: a failed run that wrote some is kept, not replaced by the output set aside."""
 
 
 STAGE_TABLE: dict[str, Stage] = {
-    "prepare": Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), ()),
+    "prepare": Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), (),
+                     extra=prepare.fingerprint_extra, extra_name=prepare.EXTRA_NAME),
     "regenerate": Stage(regenerate.run, "optional: the target rewrites the assistant turns (regenerate.enabled)",
-                        ("regenerate",), ("prepare",), regenerate.UNFINGERPRINTED, regenerate.retry_verdict),
+                        ("regenerate",), ("prepare",), regenerate.UNFINGERPRINTED, regenerate.retry_verdict,
+                        skipped=regenerate.skip_reason, extra=regenerate.fingerprint_extra, extra_name=regenerate.EXTRA_NAME),
     "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate"),
-                     distributed=True),
+                     distributed=True, skipped=capture.skip_reason),
     "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
     "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
-                   ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict, distributed=True),
+                   ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict, distributed=True,
+                   inputs=sources.stage_inputs, extra=heldout.fingerprint_extra, extra_name=heldout.EXTRA_NAME),
     "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
-                      ("train",), revisit=evaluate.check_verdict),
+                      ("train",), revisit=evaluate.check_verdict, partial=evaluate.PARTIAL),
     "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),
 }
 """In run order; its names are config.STAGES (what status reads without importing the stages)."""

@@ -5,7 +5,8 @@ The draft vocab is the `draft_vocab_size` most frequent target tokens under the 
 seen, the lowest unseen ids fill it up so the size is exact. Stored sorted by target id as
     d2t  int64 [Vd]  offset: target_id = i + d2t[i]
     t2d  bool  [V]   t2d[target_id] is True iff the token is in the draft vocab
-in `vocab/vocab.safetensors`. V is the target config's vocab_size (the embedding rows),
+in `vocab/vocab.safetensors` (its reader, load_vocab, is draft/vocab.py's: train and export read it
+without this stage). V is the target config's vocab_size (the embedding rows),
 which may exceed the tokenizer's vocab: counts are zero-padded to V.
 """
 from __future__ import annotations
@@ -18,12 +19,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        fix_command, require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
+                        require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
 from .config import Recipe, check_recipe
+from .draft.vocab import VOCAB_FILE, draft_ids
 from .target.model import read_text_config
 
 COUNTS_FILE = "token_counts.safetensors"
-VOCAB_FILE = "vocab.safetensors"
 
 
 def build_vocab(counts: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,29 +44,6 @@ def build_vocab(counts: torch.Tensor, vocab_size: int, draft_vocab_size: int) ->
     d2t = ids - torch.arange(size, dtype=torch.int64)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
-    return d2t, t2d
-
-
-def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """Target ids of the draft vocab, in draft order: i + d2t[i]."""
-    return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t
-
-
-def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) from vocab/vocab.safetensors, checked for consistency."""
-    path = Path(path)
-    verify_listed_file(path)
-    try:
-        t = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DraftsmithError(f"{path}: unreadable ({e}); rerun {fix_command('vocab', path, then=('train',))}") from None
-    if "d2t" not in t or "t2d" not in t:
-        raise DraftsmithError(f"{path}: lacks d2t/t2d; rerun {fix_command('vocab', path, then=('train',))}")
-    d2t, t2d = t["d2t"].to(torch.int64), t["t2d"].to(torch.bool)
-    ids = draft_ids(d2t)
-    if ids.numel() and (ids.min() < 0 or ids.max() >= t2d.numel() or not bool(t2d[ids].all())
-                        or int(t2d.sum()) != ids.numel()):
-        raise DraftsmithError(f"{path}: d2t and t2d disagree; rerun {fix_command('vocab', path, then=('train',))}")
     return d2t, t2d
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, load_manifest, log,
-                         new_manifest, remove_temp_files, sha256_file, stage_dir, verify_shards, write_manifest)
+from ..artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, fingerprint_path, load_manifest,
+                         log, new_manifest, remove_temp_files, sha256_file, stage_dir, verify_shards, write_manifest)
 from ..config import PrepareConfig, Recipe, check_recipe
 from ..target.model import load_tokenizer
 from .readers import SKIP_REASONS, ReadStats, read_conversations, resolve_source
@@ -53,6 +53,14 @@ def summary(counts: dict, truncated_source: dict | None) -> str:
     if truncated_source:
         line += f"; source cut off after {truncated_source['complete_records']:,} complete records"
     return line
+
+
+EXTRA_NAME = "the source's content (prepare.source)"
+
+
+def fingerprint_extra(recipe: Recipe) -> str:
+    """The source's content: an edited file reruns prepare (stages.Stage.extra)."""
+    return fingerprint_path(resolve_source(recipe.prepare.source, recipe.prepare.format)[0])
 
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:

@@ -63,6 +63,19 @@ failed requests of a complete output are sent again when one of them changed (re
 conversations only, into chunks of their own after the others."""
 
 
+EXTRA_NAME = "the seed of sampled answers (seed)"
+
+
+def skip_reason(recipe: Recipe) -> Optional[str]:
+    """Why the stage does not run (stages.Stage.skipped): it is optional, off unless regenerate.enabled."""
+    return None if recipe.regenerate.enabled else "regenerate.enabled is false; skipped (capture reads data/)"
+
+
+def fingerprint_extra(recipe: Recipe) -> Optional[tuple[str, int]]:
+    """Sampled answers are a function of the seed (stages.Stage.extra); greedy ones are not."""
+    return ("seed", recipe.seed) if recipe.regenerate.temperature > 0 else None
+
+
 def retry_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
     """(verdict, why) for a complete regenerate output whose fingerprint matches `recipe`: "done",
     or "continue" when requests failed in it and a request setting (UNFINGERPRINTED) changed since,

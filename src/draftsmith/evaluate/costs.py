@@ -12,7 +12,8 @@ import torch
 from ..costmodel import HARDWARE, MeasuredCost, target_spec
 from ..speculate.eagle3 import Eagle3Proposer
 from ..speculate.verify import EagerVerifier, rows_of
-from .measure import EAGER_RUNNERS, DecodeRunners, timed
+from ..speculate.methods import EAGER_RUNNERS, DecodeRunners
+from .measure import timed
 
 STEP_COST_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -1,7 +1,7 @@
 """The measurement runs of the evaluate stage: plain decoding and each speculative method on one
-prompt or one batch, on the run's decode runners (the fast path's or eager), timed with the
-device synchronised; and the lossless check, which tells a rounding tie from a bug by one
-independent forward.
+prompt or one batch (speculate/methods.py decodes them, on the run's decode runners: the fast
+path's or eager), timed with the device synchronised; and the lossless check, which tells a
+rounding tie from a bug by one independent forward.
 """
 from __future__ import annotations
 
@@ -13,13 +13,7 @@ import torch
 from ..artifacts import DraftsmithError
 from ..config import SPEC_METHODS, check_methods as check_method_names
 from ..speculate.cache import CAPTURES, seeded_generator
-from ..speculate.eagle3 import Eagle3Proposer, FastDraft
-from ..speculate.engine import generate
-from ..speculate.fast import FastTarget, choose_mode, fast_target_or_none
-from ..speculate.hybrid import HybridProposer
-from ..speculate.ngram import NgramProposer
-from ..speculate.proposer import PerSequence
-from ..speculate.verify import plain_generate, plain_generate_batch
+from ..speculate.methods import EAGER_RUNNERS, DecodeRunners, decode, decode_plain
 
 # A divergence is a rounding tie when the speculative token sits below the top logit of an independent
 # forward by no more than the target's own rounding there: a verify forward over k+1 rows rounds
@@ -41,62 +35,6 @@ def check_methods(cfg, where: str) -> list[str]:
     parse time too (config.check_recipe); again here for a Recipe built in code."""
     check_method_names(cfg.methods, where)
     return [m for m in SPEC_METHODS if m in cfg.methods]
-
-
-def ngram_depth(cfg) -> int:
-    return cfg.ngram_steps or cfg.draft_steps
-
-
-def method_depth(cfg, method: str) -> int:
-    if method == "ngram":
-        return ngram_depth(cfg)
-    if method == "hybrid":  # the drafter's tree and the n-gram chain beside it, each to its own depth
-        return max(cfg.tree_depth, ngram_depth(cfg))
-    return cfg.tree_depth if method == "eagle3_tree" else cfg.draft_steps
-
-
-class DecodeRunners:
-    """The decode runners every measurement of one evaluate run shares (evaluate.fast), cached per
-    batch size: a FastTarget and a FastDraft (static caches, graphs captured once and reused), or
-    neither (eager). With `auto`, a target the fast path cannot run (sliding-window layers, a
-    target spread over several GPUs) falls back to eager with a log line; an explicit mode errs."""
-
-    def __init__(self, target=None, drafter=None, mode: str = "off"):
-        self.target_model, self.drafter, self.requested = target, drafter, mode
-        self.mode = choose_mode(mode, target) if target is not None else "off"
-        self._by_batch: dict[int, tuple] = {}
-
-    def get(self, batch: int) -> tuple[Optional[FastTarget], Optional[FastDraft]]:
-        if self.mode == "off":
-            return None, None
-        if batch not in self._by_batch:
-            ft = fast_target_or_none(self.target_model, self.mode, self.requested, "evaluate.fast",
-                                     "eager decoding for plain and every method", batch_size=batch)
-            if ft is None:
-                self.mode = "off"
-                return None, None
-            self._by_batch[batch] = (ft, FastDraft(self.drafter, graphs=ft.graphs, compile=ft.mode == "compile"))
-        return self._by_batch[batch]
-
-
-EAGER_RUNNERS = DecodeRunners()
-"""No fast path: plain and speculative decoding on the eager target."""
-
-
-def make_proposer(method: str, drafter, cfg, batch: int, generator=None, runners: DecodeRunners = EAGER_RUNNERS):
-    fast = runners.get(batch)[1]
-    if method == "eagle3_chain":
-        return Eagle3Proposer(drafter, topk=1, budget=cfg.draft_steps, temperature=cfg.temperature, generator=generator,
-                              fast=fast)
-    if method == "eagle3_tree":
-        return Eagle3Proposer(drafter, topk=cfg.tree_topk, budget=cfg.tree_budget, temperature=cfg.temperature,
-                              generator=generator, fast=fast)
-    if method == "ngram":
-        return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
-    if method == "hybrid":
-        return HybridProposer(make_proposer("eagle3_tree", drafter, cfg, batch, generator, runners),
-                              make_proposer("ngram", drafter, cfg, batch), cfg.tree_depth, ngram_depth(cfg))
-    raise ValueError(method)
 
 
 def timed(where, fn):
@@ -122,25 +60,16 @@ def timed_uncaptured(where, fn):
 
 def run_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None, runners: DecodeRunners = EAGER_RUNNERS,
               max_new_tokens=None) -> tuple[list[list[int]], float]:
-    """Plain decoding, the baseline: on the fast path its own graphed loop (the token fed back on
-    the GPU), else one eager forward per token."""
-    n, T = max_new_tokens or cfg.max_new_tokens, cfg.temperature
-    fast = runners.get(len(prompts))[0]
-    if fast is not None:
-        return timed_uncaptured(target, lambda: fast.plain(prompts, n, eos_ids, T, generator=generator))
-    if len(prompts) == 1:
-        out, s = timed(target, lambda: plain_generate(target, prompts[0], n, eos_ids, T, generator))
-        return [out], s
-    return timed(target, lambda: plain_generate_batch(target, prompts, n, eos_ids, T, generator))
+    """(new tokens per prompt, wall seconds) of plain decoding, the baseline (speculate.methods.decode_plain)."""
+    runners.get(len(prompts))  # a batch size's fast runners are built before the clock starts
+    return timed_uncaptured(target, lambda: decode_plain(target, prompts, cfg, eos_ids, generator, runners, max_new_tokens))
 
 
 def run_method(target, drafter, method: str, prompts: list[list[int]], cfg, eos_ids, generator=None, max_new_tokens=None,
                runners: DecodeRunners = EAGER_RUNNERS):
-    """(new tokens per prompt, SpecStats per prompt, wall seconds) of one speculative method."""
-    (new, stats), s = timed_uncaptured(target, lambda: generate(
-        target, make_proposer(method, drafter, cfg, len(prompts), generator, runners), prompts,
-        max_new_tokens or cfg.max_new_tokens, method_depth(cfg, method), eos_ids, cfg.temperature, generator,
-        fast=runners.get(len(prompts))[0], resident=cfg.resident, compile_round=cfg.compile_round == "on"))
+    """(new tokens per prompt, SpecStats per prompt, wall seconds) of one speculative method (speculate.methods.decode)."""
+    (new, stats), s = timed_uncaptured(target, lambda: decode(target, drafter, method, prompts, cfg, eos_ids, generator,
+                                                              max_new_tokens, runners))
     return new, stats, s
 
 

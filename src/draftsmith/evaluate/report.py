@@ -8,7 +8,7 @@ import io
 from typing import Optional
 
 from ..config import Recipe
-from .measure import method_depth
+from ..speculate.methods import method_depth
 
 
 # ----------------------------------------------------------------------------- aggregation

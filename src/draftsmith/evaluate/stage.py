@@ -26,12 +26,11 @@ from ..config import EvaluateConfig, Recipe, check_recipe
 from ..data.conversations import conversation_keys, conversation_of
 from ..data.readers import Prompt, load_prompts, resolve_source
 from ..data.shards import source_ids
-from ..draft.io import load_drafter, read_drafter_config
 from ..speculate.cache import CAPTURE_FALLBACKS, seeded_generator
-from ..target.model import eos_token_ids, load_target
+from ..speculate.methods import DecodeRunners, load_models, prompt_budget
+from ..target.model import eos_token_ids
 from .costs import decode_roofline, measure_step_costs, overheads
-from .measure import (DecodeRunners, check_methods, check_recorded, evaluate_batch, evaluate_prompt, method_depth, run_method,
-                      run_plain)
+from .measure import check_methods, check_recorded, evaluate_batch, evaluate_prompt, run_method, run_plain
 from .report import fmt, lossless_tally, plot_acceptance, print_table, ratio, render_report, summarize, table_rows
 
 PARTIAL = "partial.jsonl"
@@ -41,28 +40,6 @@ are decoded greedily too, SPOT_CHECK_TOKENS new tokens, and checked lossless as 
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def load_models(recipe: Recipe, drafter_dir: Path):
-    """The target (with the drafter's aux layers hooked) and the drafter, on one device and dtype."""
-    cfg_path = drafter_dir / "config.json"
-    dcfg = read_drafter_config(cfg_path)
-    t = recipe.target
-    aux = dcfg.aux_layer_ids or t.aux_layer_ids
-    if t.aux_layer_ids and dcfg.aux_layer_ids and list(t.aux_layer_ids) != list(dcfg.aux_layer_ids):
-        raise DraftsmithError(f"{cfg_path}: drafter was trained on aux layers {dcfg.aux_layer_ids} but "
-                              f"target.aux_layer_ids is {t.aux_layer_ids}; use the drafter's ids or retrain")
-    target = load_target(t.path, device=t.device, dtype=t.dtype, trust_remote_code=t.trust_remote_code,
-                         aux_layer_ids=aux,
-                         experts_implementation=t.experts_implementation)
-    want = {"vocab_size": target.vocab_size, "target_hidden_size": target.hidden_size,
-            "num_aux_layers": len(target.aux_layer_ids)}
-    bad = {k: (getattr(dcfg, k), v) for k, v in want.items() if getattr(dcfg, k) != v}
-    if bad:
-        what = ", ".join(f"{k} {a} != target's {b}" for k, (a, b) in bad.items())
-        raise DraftsmithError(f"{cfg_path}: drafter does not fit target {t.path} ({what}); retrain it for this target")
-    drafter = load_drafter(drafter_dir, device=target.device, dtype=target.dtype)
-    return target, drafter
 
 
 def trained_conversations(run_dir: Path) -> tuple[Optional[Path], set]:
@@ -140,28 +117,6 @@ def turn_prompt(tokenizer, prompt: Prompt, turn: int, answers: list[list[int]], 
 
 
 # ----------------------------------------------------------------------------- stage
-
-
-def max_positions(target) -> Optional[int]:
-    """The target's max_position_embeddings (its text config's), or None when it declares none."""
-    cfg = target.model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n = getattr(cfg, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
-
-
-def prompt_budget(target, cfg, methods: list[str]) -> Optional[int]:
-    """Longest prompt (tokens) that leaves room in the target's positions for max_new_tokens and the
-    deepest draft a method verifies past them; None when the target declares no limit."""
-    n = max_positions(target)
-    if n is None:
-        return None
-    depth = max([method_depth(cfg, m) for m in methods], default=0)
-    budget = n - cfg.max_new_tokens - depth - 1
-    if budget < 1:
-        raise DraftsmithError(f"evaluate.max_new_tokens {cfg.max_new_tokens}: with draft depth {depth} it leaves no room for a "
-                              f"prompt in the target's {n} positions (max_position_embeddings); lower evaluate.max_new_tokens")
-    return budget
 
 
 def per_round_rates(method_summary: dict) -> list:

@@ -16,10 +16,8 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from ..artifacts import (DraftsmithError, atomic_write_json, checksum_matches, file_stamp, finish_manifest, load_manifest, log,
@@ -27,50 +25,9 @@ from ..artifacts import (DraftsmithError, atomic_write_json, checksum_matches, f
                          verify_shards, write_manifest)
 from ..config import Recipe
 from ..distributed import barrier, from_rank0, init_distributed, rank_device
-from ..data.shards import STORAGE_DTYPES, Sample, bytes_per_token, length_batches, read_shard, write_shard
-from .model import Target, load_target
-
-
-def capture_samples(target: Target, samples: list[Sample], batch_tokens: int,
-                    storage_dtype: str = "float32") -> tuple[list[Sample], int]:
-    """Fill aux_hidden / final_hidden of each sample, rounded to the storage dtype (fp8 storage:
-    kept in float32 here, encoded by write_shard). Returns (good samples in input order,
-    rejected count): a sample whose hidden states hold NaN or inf is rejected, not stored."""
-    hold = torch.float32 if storage_dtype == "float8_e4m3" else STORAGE_DTYPES[storage_dtype]
-    dev = target.device
-    out: list[Sample | None] = [None] * len(samples)
-    for batch in length_batches([len(s) for s in samples], batch_tokens):
-        L = max(len(samples[i]) for i in batch)
-        ids = torch.zeros((len(batch), L), dtype=torch.long)  # right padding with id 0, masked out
-        mask = torch.zeros((len(batch), L), dtype=torch.long)
-        for r, i in enumerate(batch):
-            n = len(samples[i])
-            ids[r, :n] = samples[i].input_ids
-            mask[r, :n] = 1
-        valid = mask.to(dev)
-        res = target.forward(ids.to(dev), attention_mask=valid, with_logits=False)
-        aux, final = res.aux_hidden.to(hold), res.final_hidden.to(hold)
-        # NaN/inf check on the device, over each sample's own tokens (a host check of the
-        # copied states costs more than the forward), then one read of a flag per sample.
-        bad = ((~torch.isfinite(aux)).flatten(2).any(-1) | (~torch.isfinite(final)).flatten(2).any(-1)) & valid.bool()
-        finite = (~bad.any(1)).tolist()
-        aux, final = _to_host(aux), _to_host(final)
-        for r, i in enumerate(batch):
-            if finite[r]:
-                n, s = len(samples[i]), samples[i]
-                out[i] = replace(s, aux_hidden=aux[r, :n].clone(), final_hidden=final[r, :n].clone())
-    good = [s for s in out if s is not None]
-    return good, len(samples) - len(good)
-
-
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    """A GPU tensor copied to host memory through a pinned buffer from torch's caching host
-    allocator (reused across batches): the DMA writes straight into it, where a pageable copy is
-    staged through a driver buffer. The callers clone what they keep, so the buffer goes back."""
-    if x.device.type != "cuda":
-        return x.cpu()
-    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    return buf.copy_(x)
+from ..data.shards import bytes_per_token, read_shard, write_shard
+from .model import load_target
+from .online import capture_samples
 
 
 def _rank_file(out_dir: Path, rank: int) -> Path:
@@ -123,6 +80,14 @@ def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
     m["counts"] = {"samples": sum(s["num_samples"] for s in m["shards"]),
                    "tokens": sum(s["num_tokens"] for s in m["shards"]),
                    "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
+
+
+def skip_reason(recipe: Recipe) -> str | None:
+    """Why the stage does not run (stages.Stage.skipped): online training runs the target itself."""
+    if getattr(recipe.train, "online", False):
+        return ("train.online is true; skipped (train runs the target on the token shards itself, nothing is written to disk); "
+                "set train.online: false to capture")
+    return None
 
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:

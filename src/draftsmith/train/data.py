@@ -30,6 +30,7 @@ hence the batch plans are the same; the hidden states then come from the target'
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..artifacts import DraftsmithError, fix_command
+from ..config import Recipe
 from ..data.batch import Batch, empty_batch
 from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard, source_ids
 
@@ -256,3 +258,29 @@ class Loader:
             f.cancel()
         self.queue.clear()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
+    """(micro-batch token budget, micro-batches per optimizer step)."""
+    micro = int(micro_batch_tokens or max(1, batch_tokens // world_size))
+    per_step = max(1, batch_tokens // micro)
+    if per_step % world_size:
+        raise DraftsmithError(f"train: batch_tokens {batch_tokens} / micro_batch_tokens {micro} = {per_step} micro-batches per step, "
+                              f"not a multiple of the world size {world_size}; set batch_tokens to a multiple of "
+                              f"micro_batch_tokens * {world_size}")
+    return micro, per_step
+
+
+def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
+    """max_steps and/or the steps of max_tokens (ceil(max_tokens / batch_tokens)), the smaller;
+    else the steps of `epochs` whole passes: each epoch's steps counted from its own plan
+    (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
+    tc = recipe.train
+    caps = ([int(tc.max_steps)] if tc.max_steps is not None else []) + ([-(-int(tc.max_tokens) // tc.batch_tokens)] if tc.max_tokens else [])
+    if caps:
+        return max(1, min(caps))
+    whole = int(tc.epochs)
+    steps = sum(steps_of_plan(plan_len(e), micro_per_step) for e in range(whole))
+    if tc.epochs > whole:
+        steps += math.ceil((tc.epochs - whole) * steps_of_plan(plan_len(whole), micro_per_step))
+    return max(1, steps)

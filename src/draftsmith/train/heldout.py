@@ -7,7 +7,7 @@ engine's measured tau on held-out prompts at the end.
     overfitting(evals, key)  -> {from_step, to_step, heldout_from, heldout_to, train_from, train_to} | None
     heldout_record(evals, best, samples, conversations, keep_best) -> manifest["metrics"]["heldout"] (status.py reads it)
     plot_learning_curve(evals, steps, key) -> PNG bytes (held-out and train simulated tau vs tokens seen)
-    engine_prompts(...) / engine_record(...) -> metrics.heldout.engine: tau of evaluate's decoding on held-out prompts
+    engine_prompts(...) / engine_record(...) -> metrics.heldout.engine: tau of evaluate's decoding (speculate.methods) on held-out prompts
 
 An eval record (train/eval.jsonl) is {step, tokens_seen, loss, acc, tau, weight, accept, tau_sampled,
 sample_temperature, train_acc, train_tau}: held-out teacher-forced accuracy per TTT position and its
@@ -27,10 +27,9 @@ from typing import Hashable, Optional, Sequence, Union
 import torch
 
 from ..artifacts import DraftsmithError
-from ..config import Recipe
+from ..config import Recipe, heldout_sample_temperature
 from ..draft.io import load_drafter
-from ..evaluate.measure import run_method
-from ..evaluate.stage import load_models, prompt_budget
+from ..speculate.methods import decode, load_models, prompt_budget
 from ..target.model import Target, eos_token_ids, load_tokenizer
 from .ttt import simulated_tau
 
@@ -42,6 +41,15 @@ AUTO_EVALS_PER_RUN = 10
 FALL_TOLERANCE = 0.01
 FALLING_EVALS = 2
 ENGINE_MAX_NEW_TOKENS = 64
+
+
+EXTRA_NAME = "the temperature train.keep_best sampled picks at (evaluate.temperature, 1 when greedy)"
+
+
+def fingerprint_extra(recipe: Recipe) -> Optional[tuple[str, float]]:
+    """The train stage's extra fingerprint input (stages.Stage.extra): with train.keep_best sampled, the
+    best drafter is picked at evaluate's temperature."""
+    return ("sample_temperature", heldout_sample_temperature(recipe)) if recipe.train.keep_best == "sampled" else None
 
 
 def heldout_count(setting: Union[int, str], num_samples: int) -> int:
@@ -192,7 +200,7 @@ def engine_prompts(conversations: Sequence[Hashable], input_ids: Sequence[torch.
 def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[int]]], count: int, depth: int,
                evaluate_cfg, eos_ids: list[int]) -> dict:
     """The engine's tau on the first `count` prompts that fit the target's positions: evaluate's
-    greedy EAGLE-3 chain (measure.run_method, batch 1, eager) drafting `depth` tokens per round,
+    greedy EAGLE-3 chain (speculate.methods.decode, batch 1, eager) drafting `depth` tokens per round,
     ENGINE_MAX_NEW_TOKENS new tokens per prompt; tau = emitted tokens / target verifications,
     over all prompts (evaluate's definition)."""
     cfg = replace(evaluate_cfg, draft_steps=depth, max_new_tokens=ENGINE_MAX_NEW_TOKENS, temperature=0.0, resident=False)
@@ -202,7 +210,7 @@ def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[i
         return {"skipped": f"no held-out prompt fits the target's positions with {ENGINE_MAX_NEW_TOKENS} new tokens"}
     emitted, rounds = 0, 0
     for _, ids in used:
-        _, [stats], _ = run_method(target, drafter, "eagle3_chain", [ids], cfg, eos_ids)
+        _, [stats] = decode(target, drafter, "eagle3_chain", [ids], cfg, eos_ids)
         emitted += sum(stats.emitted_per_round)
         rounds += stats.rounds
     if not rounds:  # every answer ended at the token prefill gave: no round to measure
@@ -215,7 +223,7 @@ def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[i
 def engine_record(recipe: Recipe, drafter_dir: Path, prompts: Sequence[tuple[Hashable, list[int]]],
                   online_target: Optional[Target]) -> dict:
     """metrics.heldout.engine: engine_tau of the drafter in drafter_dir, on the target training ran
-    (online) or, offline, the target loaded as evaluate loads it (evaluate.stage.load_models);
+    (online) or, offline, the target loaded as evaluate loads it (speculate.methods.load_models);
     depth = train.ttt_steps capped by evaluate.draft_steps. {"skipped": reason} when the target
     cannot be loaded, the decoding fails (out of memory, too few positions) or no prompt is
     usable: the drafter is written by then, and a rerun would only meet the same failure."""

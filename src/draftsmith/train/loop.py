@@ -1,6 +1,6 @@
 """The train stage: an EAGLE-3 drafter trained with training-time test on captured states.
 
-Reads capture/ (hidden-state shards; online mode: data/ token shards, see below), vocab/ (d2t, t2d) and, from the target, only its input
+Reads capture/ (hidden-state shards; online mode: data/ token shards, sources.py), vocab/ (d2t, t2d) and, from the target, only its input
 embedding and lm_head (read_target_embeddings: no full model load). Writes
     train/step-NNNNNN/{state/*.safetensors,meta.json}, train/latest   (checkpoint.py, DCP)
     train/metrics.jsonl     one record per optimizer step (loss, CE/acc per TTT position, lr, grad norm)
@@ -30,67 +30,47 @@ A rerun after a crash continues from `latest` and reproduces the uninterrupted r
 at any world size: the batch plan is a function of (seed, epoch), the cursor and the AdamW
 state are checkpointed, and the learning rate is a function of the step.
 
-Where the hidden states come from is decided once (data_source): CaptureSource (capture/'s
-shards) or OnlineSource (the target's forward); both give the same sample index and a `load`.
-The optimizers and the module they train come from make_trainable, a resume from resume().
-run() reads top-down: setup() builds a Trainer (what is set up once; its methods are a step's
-parts: train_step, heldout_checkpoint), the loop takes the steps, finish() writes the drafter and
-the manifest.
-
-Online mode (train.online: true) reads the token shards of prepare (data/, or regen/ when
-regenerate is on) instead of capture/, loads the whole target once next to the drafter
-(recipe.target: path, device, dtype, aux_layer_ids, device_map, ...), and gets each
-micro-batch's hidden states from its forward (target/online.py: capture's forward batching by
-capture.batch_tokens, rounded to capture.storage_dtype as a capture shard would hold them).
-The sample index, cuts, batch plan, cursor and checkpoints are those of the offline path, so
-for the same token shards and seed it trains the same drafter (bit-identical when the forward
-batches are the same, e.g. capture.batch_tokens 1) and resumes the same way. Under torchrun
-each rank runs its own target copy on its own micro-batches. Nothing is written for the
-hidden states; the manifest records `online: true`. A sample whose states hold NaN/inf is left
-out of its micro-batch (capture would not have stored it).
+Where the hidden states come from is decided once (sources.py: capture/'s shards, or online,
+train.online: true, the target's forward on prepare's token shards, nothing written for the
+states; the manifest records `online`). The trained module, its optimizers and a resume come from
+state.py; the figures logged beside the steps and the end of the run (the drafter, the manifest)
+from finish.py. run() reads top-down: Trainer.from_recipe builds what is set up once (its methods
+are a step's parts: train_step, heldout_checkpoint), the loop takes the steps, finish() writes
+the drafter and the manifest.
 """
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import sys
 import time
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json,
-                         atomic_write_text, finish_manifest, fingerprint, load_manifest, log, new_manifest, read_json,
-                         read_jsonl, remove_temp_files, replace_dir, require_complete, rerun_command, sha256_file,
-                         stage_dir, temp_dir, to_jsonable, token_stage, verify_shards, write_manifest)
+from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, load_manifest, log, new_manifest,
+                         read_jsonl, remove_temp_files, require_complete, rerun_command, stage_dir, to_jsonable, verify_shards,
+                         write_manifest)
 from ..config import Recipe, check_recipe, heldout_sample_temperature
-from ..distributed import (DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded, parallelize,
-                           rank_device)
+from ..distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded
 from ..draft.build import drafter_config, init_drafter
-from ..draft.io import save_drafter
-from ..draft.model import Eagle3Config, Eagle3Drafter
-from ..draft.ttt_attention import resolve_impl
-from ..target.model import Target, load_target, read_target_embeddings, resolve_dtype
-from ..target.online import online_batch
-from ..vocab import VOCAB_FILE, draft_ids, load_vocab
-from .checkpoint import find_latest, load_checkpoint, save_checkpoint, set_rng_state
-from .data import CaptureIndex, Loader, TokenIndex, epoch_plan, steps_of_plan
+from ..draft.model import Eagle3Config
+from ..draft.vocab import VOCAB_FILE, draft_ids, load_vocab
+from ..target.model import read_target_embeddings, resolve_dtype
+from .checkpoint import find_latest, save_checkpoint
+from .data import Loader, epoch_plan, micro_batching, total_steps_of
+from .finish import finish, full_drafter, header, log_window, save_drafter_atomic, scalars, window_metrics
 from .flops import peak_flops, train_flops_per_token
 from ..data.conversations import conversation_keys
-from .heldout import (BEST_FIGURES, engine_prompts, engine_record, eval_interval, heldout_count, heldout_record,
-                      overfitting, plot_learning_curve, split_by_conversation)
-from .ttt import TTTLoss, position_weights, simulated_tau
+from .heldout import BEST_FIGURES, eval_interval, heldout_count, overfitting, plot_learning_curve, split_by_conversation
+from .sources import CaptureSource, data_source
+from .state import CURVE_FILE, EVAL_FILE, METRICS_FILE, Progress, Trainable, make_trainable, resume
+from .ttt import position_weights, simulated_tau
 
 MAX_NONFINITE_IN_A_ROW = 10
-ADAM_BETAS = (0.9, 0.95)
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
-CURVE_FILE = "learning_curve.png"
 UNFINGERPRINTED = ("train.log_every", "train.save_every", "train.heldout_engine_prompts", "train.peak_tflops", "train.max_minutes")
 """train.* keys that never change the trained drafter, left out of the stage's fingerprint
 (stages.Stage.unfingerprinted): changing one leaves a complete train stage complete. They set what
@@ -140,317 +120,18 @@ def lr_at(step: int, total_steps: int, lr: float, warmup_steps: int, min_lr_rati
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * shape)
 
 
-def total_steps_of(recipe: Recipe, plan_len, micro_per_step: int) -> int:
-    """max_steps and/or the steps of max_tokens (ceil(max_tokens / batch_tokens)), the smaller;
-    else the steps of `epochs` whole passes: each epoch's steps counted from its own plan
-    (plan_len(e): micro-batches of epoch e), a fraction of the last one rounded up."""
-    tc = recipe.train
-    caps = ([int(tc.max_steps)] if tc.max_steps is not None else []) + ([-(-int(tc.max_tokens) // tc.batch_tokens)] if tc.max_tokens else [])
-    if caps:
-        return max(1, min(caps))
-    whole = int(tc.epochs)
-    steps = sum(steps_of_plan(plan_len(e), micro_per_step) for e in range(whole))
-    if tc.epochs > whole:
-        steps += math.ceil((tc.epochs - whole) * steps_of_plan(plan_len(whole), micro_per_step))
-    return max(1, steps)
-
-
-def compile_loss(setting: str, device: torch.device, layout: str, attention: str) -> bool:
-    """train.compile: on, off, or auto = on with CUDA, packed (fixed-shape) batches and flex attention."""
-    if setting != "auto":
-        return setting == "on"
-    return device.type == "cuda" and layout == "packed" and resolve_impl(attention, device) == "flex"
-
-
-def build_optimizers(named: list[tuple[str, torch.nn.Parameter]], tc) -> list[torch.optim.Optimizer]:
-    """The optimizers of the trained tensors (train.optimizer). adamw: one AdamW, weight decay on
-    the 2-D weights only. muon: torch.optim.Muon on the 2-D matrices of fc, attention and MLP
-    (its orthogonalised update suits square-ish matrices; the lm_head is a vocabulary read-out
-    and stays with AdamW, as in speculators), AdamW on the rest. Each group keeps its base lr in
-    `base_lr`; the schedule scales it every step."""
-    def adamw(params, decay):
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay, "base_lr": tc.lr},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "base_lr": tc.lr}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=tc.lr, betas=ADAM_BETAS, eps=1e-8)
-
-    if tc.optimizer == "adamw":
-        return [adamw([p for _, p in named], tc.weight_decay)]
-    if tc.optimizer != "muon":
-        raise DraftsmithError(f"train.optimizer {tc.optimizer!r}: choose adamw or muon")
-    is_matrix = [p.dim() == 2 and min(p.shape) > 1 and not n.endswith("lm_head.weight") for n, p in named]
-    matrices = [p for (_, p), m in zip(named, is_matrix) if m]
-    rest = [p for (_, p), m in zip(named, is_matrix) if not m]
-    muon_lr = tc.muon_lr if tc.muon_lr is not None else tc.lr
-    opts = [torch.optim.Muon([{"params": matrices, "base_lr": muon_lr}], lr=muon_lr, weight_decay=tc.muon_weight_decay,
-                             adjust_lr_fn="match_rms_adamw")]
-    if rest:
-        opts.append(adamw(rest, tc.weight_decay))
-    return opts
-
-
-def micro_batching(batch_tokens: int, micro_batch_tokens: int | None, world_size: int) -> tuple[int, int]:
-    """(micro-batch token budget, micro-batches per optimizer step)."""
-    micro = int(micro_batch_tokens or max(1, batch_tokens // world_size))
-    per_step = max(1, batch_tokens // micro)
-    if per_step % world_size:
-        raise DraftsmithError(f"train: batch_tokens {batch_tokens} / micro_batch_tokens {micro} = {per_step} micro-batches per step, "
-                              f"not a multiple of the world size {world_size}; set batch_tokens to a multiple of "
-                              f"micro_batch_tokens * {world_size}")
-    return micro, per_step
-
-
-def _fmt_s(s: float) -> str:
-    s = int(max(0, s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def _window_metrics(window: deque, k: int) -> dict:
-    """Means over the recent non-skipped steps: loss, acc per position (row-weighted), tau."""
-    recs = [r for r in window if not r["skipped"]]
-    if not recs:
-        return {"loss": float("nan"), "acc": [0.0] * k, "tau": 1.0, "grad_norm": float("nan")}
-    correct = [sum(r["correct"][i] for r in recs) for i in range(k)]
-    weight = [sum(r["weight"][i] for r in recs) for i in range(k)]
-    acc = [c / w if w else 0.0 for c, w in zip(correct, weight)]
-    return {"loss": sum(r["loss"] for r in recs) / len(recs), "acc": acc, "tau": simulated_tau(acc),
-            "grad_norm": sum(r["grad_norm"] for r in recs) / len(recs)}
-
-
-def _peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource  # why here: a Unix-only module, needed only off CUDA
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
-
-
-def full_drafter(model: TTTLoss, cfg, info: DistInfo):
-    """The whole drafter (float32, CPU) on rank 0, None elsewhere; a collective when sharded."""
-    if not is_sharded(model):
-        return model.drafter
-    # why here: torch.distributed.checkpoint takes ~1.5 s to import; one rank never needs it
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not info.is_main:
-        return None
-    d = Eagle3Drafter(cfg)
-    d.load_state_dict({n.removeprefix("drafter."): t for n, t in sd.items()})
-    return d
-
-
-def _save_drafter_atomic(drafter: Eagle3Drafter, folder: Path, extra: dict | None = None) -> str:
-    """Save a drafter folder into place atomically; returns its model.safetensors' sha256."""
-    tmp = temp_dir(folder)
-    sha = save_drafter(drafter, tmp)
-    if extra:
-        atomic_write_json(tmp / "best.json", extra)
-    replace_dir(tmp, folder)
-    return sha
-
-
-def _copy_drafter_atomic(src: Path, folder: Path) -> str:
-    """Copy a drafter folder into place atomically; returns its model.safetensors' sha256."""
-    tmp = temp_dir(folder)
-    shutil.copytree(src, tmp)
-    replace_dir(tmp, folder)
-    return sha256_file(folder / "model.safetensors")
-
-
-def _load_online_target(recipe: Recipe, info: DistInfo) -> tuple[Target, float]:
-    """The target for online training (recipe.target), on this rank's GPU under torchrun as in
-    capture; (target, load seconds). No tokenizer: the token shards are already tokenized."""
-    t = recipe.target
-    device_map = getattr(t, "device_map", None)
-    if device_map and info.world_size > 1:
-        raise DraftsmithError(f"target.device_map {device_map!r} with train.online under torchrun ({info.world_size} ranks): every rank "
-                              "would spread its own copy of the target over all GPUs; unset target.device_map (one target per rank) "
-                              "or capture offline (train.online: false)")
-    t0 = time.time()
-    target = load_target(t.path, rank_device(t.device, info), t.dtype, t.trust_remote_code, t.aux_layer_ids, with_tokenizer=False,
-                         device_map=device_map, experts_implementation=t.experts_implementation)
-    return target, round(time.time() - t0, 3)
-
-
-# -- data sources: where a micro-batch's hidden states come from --------------------------------
-# Both give the same sample index (lengths, cuts, order) for the same token shards, so the batch
-# plans, cursor and checkpoints are shared; `load(sample_ids)` runs on the loader's thread.
-
-class CaptureSource:
-    """Offline: capture/'s shards hold the hidden states (CaptureIndex.batch reads them)."""
-
-    online = False
-    def __init__(self, recipe: Recipe, run_dir: Path):
-        self.recipe, self.run_dir = recipe, run_dir
-        self.nonfinite_fix = f"check capture/ for NaN/inf hidden states (rerun {rerun_command('capture', run_dir)})"
-        self.dir, self.stage = stage_dir(run_dir, "capture"), "capture"
-        self.manifest = require_complete(self.dir, self.stage)
-        self.index: CaptureIndex | None = None
-        self.packed_tokens, self.pin = None, False
-
-    def fingerprinted_config(self) -> dict:
-        return {}
-
-    def open(self, shard_paths: list[Path], hidden: int, max_length: int, packed_tokens: int | None, pin: bool,
-             info: DistInfo, manifest: dict) -> list[int]:
-        """Index the samples; returns the aux layer ids whose states the source holds."""
-        m = self.manifest
-        if int(m.get("hidden_size", hidden)) != hidden:
-            raise DraftsmithError(f"{self.dir / 'manifest.json'}: hidden_size {m['hidden_size']} differs from the target's {hidden}; "
-                                  f"the capture is from another model, rerun {rerun_command('capture', self.run_dir)}")
-        aux_layer_ids = list(m.get("aux_layer_ids") or [])
-        if not aux_layer_ids:
-            raise DraftsmithError(f"{self.dir / 'manifest.json'}: no aux_layer_ids recorded; rerun {rerun_command('capture', self.run_dir)}")
-        self.index = CaptureIndex(shard_paths, max_length, hidden, len(aux_layer_ids))
-        self.packed_tokens, self.pin = packed_tokens, pin
-        return aux_layer_ids
-
-    def load(self, sample_ids):
-        return self.index.batch(sample_ids, self.packed_tokens, self.pin)
-
-    def describe(self) -> str:
-        return ""
-
-
-class OnlineSource(CaptureSource):
-    """Online (train.online): prepare's (or regenerate's) token shards, and the hidden states of
-    the target's forward per micro-batch (target/online.py), batched by capture.batch_tokens and
-    rounded to capture.storage_dtype as a capture shard would hold them."""
-
-    online = True
-    nonfinite_fix = "check target.dtype (float16 overflows: use bfloat16 or float32)"
-
-    def __init__(self, recipe: Recipe, run_dir: Path):
-        self.recipe, self.run_dir = recipe, run_dir
-        self.dir, self.stage = token_stage(recipe, run_dir)
-        self.manifest = require_complete(self.dir, self.stage)
-        self.index: TokenIndex | None = None
-        self.target: Target | None = None
-        self.packed_tokens, self.pin = None, False
-
-    def fingerprinted_config(self) -> dict:
-        return {"capture": self.recipe.capture}  # the storage rounding and forward batching of the states
-
-    def open(self, shard_paths, hidden, max_length, packed_tokens, pin, info, manifest):
-        target, load_s = _load_online_target(self.recipe, info)
-        manifest["timings"]["load_target_s"] = load_s
-        if target.hidden_size != hidden:
-            raise DraftsmithError(f"{self.recipe.target.path}: the loaded target's hidden size {target.hidden_size} differs from its "
-                                  f"config's {hidden}; check target.path")
-        aux_layer_ids = list(target.aux_layer_ids)
-        manifest.update(aux_layer_ids=aux_layer_ids, hidden_size=hidden, storage_dtype=self.recipe.capture.storage_dtype,
-                        source=self.stage)
-        index = TokenIndex(shard_paths, max_length)
-        top, where = index.max_token_id()
-        if top >= target.vocab_size:
-            si, j, _ = index.entries[where]
-            raise DraftsmithError(f"{index.paths[si]}: sample {j}: token id {top} >= the target's vocab_size {target.vocab_size}; the "
-                                  f"tokenizer in {self.recipe.target.path} does not belong to its model, fix the folder and rerun "
-                                  f"{rerun_command(self.stage, self.run_dir)}")
-        self.target, self.index, self.packed_tokens, self.pin = target, index, packed_tokens, pin
-        return aux_layer_ids
-
-    def load(self, sample_ids):
-        c = self.recipe.capture
-        b = online_batch(self.target, self.index.samples(sample_ids), c.storage_dtype, c.batch_tokens, self.packed_tokens)
-        return b.pin_memory() if self.pin and b.input_ids.device.type == "cpu" else b
-
-    def describe(self) -> str:
-        return (f"; online: target forward on {self.target.device} ({str(self.target.dtype).replace('torch.', '')}), states rounded "
-                f"to {self.recipe.capture.storage_dtype}, read from {self.dir}")
-
-
-def data_source(recipe: Recipe, run_dir: Path) -> CaptureSource:
-    """The one place that decides between offline captures and the online target forward."""
-    return OnlineSource(recipe, run_dir) if recipe.train.online else CaptureSource(recipe, run_dir)
-
-
-# -- the trained module, its optimizers, and resume ------------------------------------------------
-
-@dataclass
-class Trainable:
-    model: torch.nn.Module  # TTTLoss around the drafter, parallelized (FSDP2 under torchrun)
-    params: list  # the trained tensors
-    names: dict  # module FQN -> checkpoint name
-    opts: list  # build_optimizers
-    compiled: bool
-
-
-def make_trainable(drafter: Eagle3Drafter, tc, info: DistInfo, compute_dtype: torch.dtype) -> Trainable:
-    """FSDP2 from outside: the loss module's forward is one all-gather / reduce-scatter unit;
-    then the optimizers of what requires grad (a frozen head does not)."""
-    if not tc.train_head:
-        drafter.lm_head.weight.requires_grad_(False)
-    compiled = compile_loss(tc.compile, info.device, tc.batch_layout, tc.attention)
-    model = parallelize(TTTLoss(drafter, int(tc.ttt_steps), tc.ttt_decay, tc.attention, "inductor" if compiled else None,
-                                 int(tc.ttt_align_topk), float(tc.ttt_target_temperature)),
-                        info, compute_dtype)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return Trainable(model, [p for _, p in named], {n: n.removeprefix("drafter.") for n, _ in named},
-                     build_optimizers(named, tc), compiled)
-
-
-@dataclass
-class Progress:
-    """The run's position, saved in every checkpoint's meta.json besides the weights."""
-    step: int = 0
-    epoch: int = 0
-    position: int = 0  # micro-batches of the epoch's plan already taken
-    skipped: int = 0  # non-finite steps so far
-    in_a_row: int = 0
-    best_tau: float | None = None  # best held-out figure so far (train.keep_best's)
-    tokens_seen: int = 0  # training tokens of the steps so far (real tokens, no padding)
-    train_s: float = 0.0  # seconds in the training loop, over all sessions (train.max_minutes)
-
-
-def resume(latest: Path | None, tr: Trainable, fp: str, out_dir: Path, info: DistInfo,
-           best_key: str = "tau_simulated") -> tuple[Progress, list[dict]]:
-    """Fill the model and optimizers from checkpoint `latest` and cut metrics.jsonl / eval.jsonl
-    back to its step (a crash may have torn a last line, or logged steps past it); returns the
-    progress and the metrics records kept. Without a checkpoint: a fresh start, both files removed."""
-    metrics_path, eval_path = out_dir / METRICS_FILE, out_dir / EVAL_FILE
-    if latest is None:
-        if info.is_main:
-            for path in (metrics_path, eval_path, out_dir / CURVE_FILE):
-                path.unlink(missing_ok=True)
-            for folder in ("best", "last"):  # a best drafter of an earlier run must not become this run's
-                shutil.rmtree(out_dir / folder, ignore_errors=True)
-        return Progress(), []
-    meta = load_checkpoint(latest, tr.model, tr.opts, tr.names)
-    if meta.get("fingerprint") != fp:
-        raise DraftsmithError(f"{latest / 'meta.json'}: checkpoint of other inputs or config (fingerprint {meta.get('fingerprint')}, "
-                              f"now {fp}); delete {out_dir} to start over")
-    set_rng_state(meta["rng"])
-    prog = Progress(int(meta["step"]), int(meta["epoch"]), int(meta["position"]), int(meta.get("skipped_nonfinite", 0)),
-                    int(meta.get("nonfinite_in_a_row", 0)), meta.get("best_tau"), 0, float(meta.get("train_s", 0.0)))
-    kept = {}
-    for path in (metrics_path, eval_path):
-        kept[path] = [r for r in read_jsonl(path) if r["step"] <= prog.step]
-        if info.is_main:
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept[path]))
-    prog.tokens_seen = sum(r["tokens"] for r in kept[metrics_path])
-    # best/ holds a drafter really measured at its recorded figure (possibly at a step past the
-    # checkpoint, saved before the crash): its record is the best to beat.
-    best = read_json_safe(out_dir / "best" / "best.json")
-    if best_key in best:
-        prog.best_tau = best[best_key]
-    if info.is_main:
-        log(f"[train] resuming from {latest.name} (saved at world size {meta.get('world_size', 1)}): "
-            f"step {prog.step}/{meta.get('total_steps')}, epoch {prog.epoch}, batch {prog.position}")
-    return prog, kept[metrics_path]
-
-
 TRAIN_NEEDS = ("train.ttt_steps", "train.batch_tokens", "train.max_length", "train.max_tokens", "train.max_minutes")
 """What run() checks again (config.check_recipe's table) in a Recipe built in code; the rest (e.g. lr 0 in a
 test) is refused at parse time only."""
 
 
-# -- one training run: set up once (setup), then its steps (run), then the drafter (finish) ---------
+# -- one training run: set up once (Trainer.from_recipe), then its steps (run), then the drafter (finish) --
 
 @dataclass
 class Trainer:
     """What a run sets up once: the samples and their split, the step plan, the trained module and
-    its optimizers. Its methods are the parts of a step; where the run is comes from a Progress."""
+    its optimizers; built from the recipe by from_recipe, the rest derived from that here. Its
+    methods are the parts of a step; where the run is comes from a Progress."""
     recipe: Recipe
     fp: str
     info: DistInfo
@@ -461,20 +142,89 @@ class Trainer:
     cfg: Eagle3Config
     tr: Trainable
     head_weight: torch.Tensor  # the target's lm_head rows of the draft vocab: the TTT targets' logits
-    compute_dtype: torch.dtype
-    autocast: object
     micro_tokens: int
     micro_per_step: int
     conversations: list
     train_ids: list[int]
     heldout_ids: list[int]
-    train_lengths: list[int]
-    sample_weights: torch.Tensor  # [N, k] float64: each sample's loss weight per TTT position
-    total_steps: int
-    eval_every: int
-    flops_per_token: float
-    peak: float | None
     overfit_named: bool = False  # the overfitting line is logged once, when first seen
+    # derived in __post_init__
+    compute_dtype: torch.dtype = field(init=False)
+    autocast: object = field(init=False)
+    train_lengths: list[int] = field(init=False)
+    sample_weights: torch.Tensor = field(init=False)  # [N, k] float64: each sample's loss weight per TTT position
+    flops_per_token: float = field(init=False)
+    peak: float | None = field(init=False)
+    total_steps: int = field(init=False)
+    eval_every: int = field(init=False)
+
+    def __post_init__(self):
+        tc, device = self.tc, self.info.device
+        self.compute_dtype = resolve_dtype(tc.dtype, device)
+        self.autocast = torch.autocast(device.type, dtype=self.compute_dtype) if self.compute_dtype != torch.float32 else nullcontext()
+        self.train_lengths = [self.index.lengths[j] for j in self.train_ids]
+        self.sample_weights = torch.stack([position_weights(m, self.k) for m in self.index.loss_mask])
+        mean_context = sum(n * (n + 1) / 2 for n in self.train_lengths) / max(1, sum(self.train_lengths))
+        self.flops_per_token = train_flops_per_token(self.cfg, self.k, mean_context)
+        self.peak = peak_flops(device, tc.peak_tflops)
+        self.total_steps = total_steps_of(self.recipe, lambda e: len(self.plan_of(e)), self.micro_per_step)
+        self.eval_every = eval_interval(tc.eval_every, self.total_steps)
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, run_dir: Path, fp: str) -> Trainer:
+        """Check the inputs, start (or take up) the manifest, open the data source, build the drafter
+        from the target's embedding and head, split off the held-out conversations."""
+        tc = recipe.train
+        check_recipe(recipe, str(run_dir / RECIPE_FILE), only=TRAIN_NEEDS)
+        info = init_distributed(tc.device)
+        micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
+        vocab_dir, out_dir = stage_dir(run_dir, "vocab"), stage_dir(run_dir, "train")
+        source = data_source(recipe, run_dir)
+        vocab_m = require_complete(vocab_dir, "vocab")
+        latest = find_latest(out_dir) if out_dir.exists() else None
+        prev = load_manifest(out_dir)
+        if prev is not None and prev.get("status") == "running" and prev["fingerprint"] == fp:
+            manifest = prev
+        else:
+            config = {"draft": recipe.draft, "train": tc, "seed": recipe.seed, **source.fingerprinted_config()}
+            manifest = new_manifest("train", fp, config, {source.stage: source.manifest["fingerprint"], "vocab": vocab_m["fingerprint"]})
+        manifest["online"] = source.online
+        if info.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            remove_temp_files(out_dir, recursive=True)  # half-written files of a killed run (rank 0 is the only writer)
+            write_manifest(out_dir, manifest)
+        # Every shard is hashed on rank 0, on a resume too: a byte flipped since the last run must not train.
+        shard_paths = verify_shards(source.dir, source.manifest, check_hash=info.is_main)
+
+        device = info.device
+        compute_dtype = resolve_dtype(tc.dtype, device)
+        embed, lm_head, tcfg = read_target_embeddings(recipe.target.path, recipe.target.trust_remote_code)
+        d2t, t2d = load_vocab(vocab_dir / VOCAB_FILE)
+        if t2d.numel() != int(tcfg.vocab_size):
+            raise DraftsmithError(f"{vocab_dir / VOCAB_FILE}: t2d covers {t2d.numel()} tokens, the target has {tcfg.vocab_size}; "
+                                  f"rerun {rerun_command('vocab', run_dir)}")
+        hidden = int(tcfg.hidden_size)
+        # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
+        packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
+        max_length = min(tc.max_length, micro_tokens) if packed_tokens else tc.max_length
+        aux_layer_ids = source.open(shard_paths, hidden, max_length, packed_tokens, device.type == "cuda", info, manifest)
+        index = source.index
+        if len(index) == 0:
+            raise DraftsmithError(f"{source.dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
+                                  f"({index.dropped} dropped); check prepare's loss masks and max_length")
+        cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
+        drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed, vocab_path=vocab_dir / VOCAB_FILE).to(device)
+        head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)
+        if tc.head_init == "target":  # a resumed run overwrites it with its checkpoint
+            with torch.no_grad():
+                drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
+        del embed, lm_head
+        tr = make_trainable(drafter, tc, info, compute_dtype)
+        conversations = conversation_keys(index.source_id, index.sample_index)
+        train_ids, heldout_ids = split_by_conversation(conversations, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
+        return cls(recipe=recipe, fp=fp, info=info, out_dir=out_dir, manifest=manifest, latest=latest, source=source, cfg=cfg,
+                   tr=tr, head_weight=head_weight, micro_tokens=micro_tokens, micro_per_step=micro_per_step,
+                   conversations=conversations, train_ids=train_ids, heldout_ids=heldout_ids)
 
     @property
     def tc(self):
@@ -610,7 +360,7 @@ class Trainer:
     def heldout_checkpoint(self, loader: Loader, prog: Progress, window: deque, evals: list[dict], writer) -> None:
         """Evaluate on the held-out samples, record it (eval.jsonl, TensorBoard, the learning
         curve), keep the drafter in best/ when it beats the best so far, and name overfitting."""
-        tw = _window_metrics(window, self.k)
+        tw = window_metrics(window, self.k)
         ev = {**self.evaluate_heldout(loader, prog.step), "tokens_seen": prog.tokens_seen, "train_acc": tw["acc"],
               "train_tau": tw["tau"]}
         evals.append(ev)
@@ -634,7 +384,7 @@ class Trainer:
             f"{' '.join(f'{a:.2f}' for a in ev['accept'])}, tau {ev['tau_sampled']:.2f}{mark.get('tau_sampled', '')} | "
             f"train tau {ev['train_tau']:.2f}")
         if better:
-            _save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
+            save_drafter_atomic(best, out_dir / "best", {"step": step, "tau_simulated": ev["tau"], "loss": ev["loss"],
                                                           "acc": ev["acc"], "tokens_seen": ev["tokens_seen"],
                                                           "accept_sampled": ev["accept"], "tau_sampled": ev["tau_sampled"],
                                                           "sample_temperature": ev["sample_temperature"],
@@ -654,92 +404,11 @@ class Trainer:
                 "tokens_seen": prog.tokens_seen, "train_s": prog.train_s,
                 "drafter": asdict(self.cfg), "recipe": to_jsonable(self.recipe)}
 
-    def header(self, epoch: int) -> str:
-        """The run's first log line: what trains on what, in which steps, on what."""
-        tc, index, plan = self.tc, self.index, self.plan_of(epoch)
-        fill = sum(self.train_lengths) / max(1, len(plan) * self.micro_tokens)
-        held = self.heldout_ids
-        return (f"[train] drafter {sum(p.numel() for p in self.tr.params) / 1e6:.1f}M trainable params, draft vocab "
-                f"{self.cfg.draft_vocab_size}, {len(self.train_ids)} samples ({index.dropped} dropped, {len(held)} held out"
-                + (f" in {len({self.conversations[j] for j in held})} conversations, evaluated every {self.eval_every} steps" if held else "")
-                + f"), {sum(self.train_lengths)} tokens/epoch, "
-                f"{len(plan)} micro-batches/epoch x {self.micro_per_step} per step over {self.info.world_size} rank(s), "
-                f"{self.total_steps} steps, "
-                + (f"packed [1, {self.micro_tokens}] ({100 * fill:.1f}% real tokens), " if tc.batch_layout == "packed" else "padded, ")
-                + f"{self.info.device} {str(self.compute_dtype).replace('torch.', '')}, attention {tc.attention}"
-                + (", compiled loss" if self.tr.compiled else "") + self.source.describe())
-
-
-def setup(recipe: Recipe, run_dir: Path, fp: str) -> Trainer:
-    """Check the inputs, start (or take up) the manifest, open the data source, build the drafter
-    from the target's embedding and head, split off the held-out conversations, plan the steps."""
-    tc = recipe.train
-    check_recipe(recipe, str(run_dir / RECIPE_FILE), only=TRAIN_NEEDS)
-    k = int(tc.ttt_steps)
-    info = init_distributed(tc.device)
-    main = info.is_main
-    micro_tokens, micro_per_step = micro_batching(tc.batch_tokens, tc.micro_batch_tokens, info.world_size)
-    vocab_dir, out_dir = stage_dir(run_dir, "vocab"), stage_dir(run_dir, "train")
-    source = data_source(recipe, run_dir)
-    vocab_m = require_complete(vocab_dir, "vocab")
-    latest = find_latest(out_dir) if out_dir.exists() else None
-    prev = load_manifest(out_dir)
-    if prev is not None and prev.get("status") == "running" and prev["fingerprint"] == fp:
-        manifest = prev
-    else:
-        config = {"draft": recipe.draft, "train": tc, "seed": recipe.seed, **source.fingerprinted_config()}
-        manifest = new_manifest("train", fp, config, {source.stage: source.manifest["fingerprint"], "vocab": vocab_m["fingerprint"]})
-    manifest["online"] = source.online
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        remove_temp_files(out_dir, recursive=True)  # half-written files of a killed run (rank 0 is the only writer)
-        write_manifest(out_dir, manifest)
-    # Every shard is hashed on rank 0, on a resume too: a byte flipped since the last run must not train.
-    shard_paths = verify_shards(source.dir, source.manifest, check_hash=main)
-
-    device = info.device
-    compute_dtype = resolve_dtype(tc.dtype, device)
-    embed, lm_head, tcfg = read_target_embeddings(recipe.target.path, recipe.target.trust_remote_code)
-    d2t, t2d = load_vocab(vocab_dir / VOCAB_FILE)
-    if t2d.numel() != int(tcfg.vocab_size):
-        raise DraftsmithError(f"{vocab_dir / VOCAB_FILE}: t2d covers {t2d.numel()} tokens, the target has {tcfg.vocab_size}; "
-                              f"rerun {rerun_command('vocab', run_dir)}")
-    hidden = int(tcfg.hidden_size)
-    # Packed micro-batches are one fixed row of micro_tokens: longer samples are cut to it.
-    packed_tokens = micro_tokens if tc.batch_layout == "packed" else None
-    max_length = min(tc.max_length, micro_tokens) if packed_tokens else tc.max_length
-    aux_layer_ids = source.open(shard_paths, hidden, max_length, packed_tokens, device.type == "cuda", info, manifest)
-    index = source.index
-    if len(index) == 0:
-        raise DraftsmithError(f"{source.dir / 'manifest.json'}: no sample has 3+ tokens and a loss token at position >= 2 "
-                              f"({index.dropped} dropped); check prepare's loss masks and max_length")
-    cfg = drafter_config(tcfg, recipe.draft, d2t.numel(), aux_layer_ids)
-    drafter = init_drafter(cfg, embed, d2t, t2d, recipe.seed, vocab_path=vocab_dir / VOCAB_FILE).to(device)
-    head_weight = lm_head[draft_ids(d2t)].to(device=device, dtype=compute_dtype)
-    if tc.head_init == "target":  # a resumed run overwrites it with its checkpoint
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(lm_head[draft_ids(d2t)].to(drafter.lm_head.weight))
-    del embed, lm_head
-    tr = make_trainable(drafter, tc, info, compute_dtype)
-    autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
-
-    conversations = conversation_keys(index.source_id, index.sample_index)
-    train_ids, heldout_ids = split_by_conversation(conversations, heldout_count(tc.heldout_samples, len(index)), recipe.seed)
-    train_lengths = [index.lengths[j] for j in train_ids]
-    mean_context = sum(n * (n + 1) / 2 for n in train_lengths) / max(1, sum(train_lengths))
-    t = Trainer(recipe, fp, info, out_dir, manifest, latest, source, cfg, tr,
-                head_weight, compute_dtype, autocast, micro_tokens, micro_per_step, conversations, train_ids, heldout_ids,
-                train_lengths, torch.stack([position_weights(m, k) for m in index.loss_mask]), total_steps=0, eval_every=0,
-                flops_per_token=train_flops_per_token(cfg, k, mean_context), peak=peak_flops(device, tc.peak_tflops))
-    t.total_steps = total_steps_of(recipe, lambda e: len(t.plan_of(e)), micro_per_step)
-    t.eval_every = eval_interval(tc.eval_every, t.total_steps)
-    return t
-
 
 def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     """The train stage (module docstring): set up, resume if a checkpoint is there, take the steps
     (evaluating on the held-out samples and saving checkpoints as they fall due), finish."""
-    t = setup(recipe, Path(recipe.run_dir if run_dir is None else run_dir), fp)
+    t = Trainer.from_recipe(recipe, Path(recipe.run_dir if run_dir is None else run_dir), fp)
     tc, info, main, out_dir, device = t.tc, t.info, t.main, t.out_dir, t.info.device
     prog, window_recs = resume(t.latest, t.tr, fp, out_dir, info, t.best_figure[1])
     metrics_path = out_dir / METRICS_FILE
@@ -748,7 +417,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     barrier(info)
     writer = bar = None
     if main:
-        log(t.header(prog.epoch))
+        log(header(t, prog.epoch))
         from torch.utils.tensorboard import SummaryWriter  # why here: tensorboard is heavy, and only rank 0 writes
 
         writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=prog.step + 1 if prog.step else None)
@@ -791,13 +460,13 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                 append_jsonl(metrics_path, rec)
                 bar.update(1)
                 if not rec["skipped"]:
-                    _scalars(writer, rec)
+                    scalars(writer, rec)
 
             if main and (step % max(1, tc.log_every) == 0 or last):
                 now = time.time()
                 tokens_per_s = tokens_window / max(now - t_window, 1e-9)
                 eta = (now - t_start) / (step - start_step) * (t.total_steps - step)
-                _log_window(writer, window, t, prog, tokens_per_s, eta)
+                log_window(writer, window, t, prog, tokens_per_s, eta)
                 t_window, tokens_window = now, 0
 
             if t.heldout_ids and ((t.eval_every > 0 and step % t.eval_every == 0) or last):
@@ -816,99 +485,3 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     wall = time.time() - t_start
     tokens_per_s = (prog.tokens_seen - start_tokens) / wall if wall > 0 and prog.step > start_step else None
     return finish(t, prog, stopped or "steps", window, evals, wall, round(train_s_before + wall, 3), tokens_per_s)
-
-
-def _scalars(writer, rec: dict) -> None:
-    """A step's figures in TensorBoard."""
-    step = rec["step"]
-    writer.add_scalar("train/loss", rec["loss"], step)
-    writer.add_scalar("train/lr", rec["lr"], step)
-    writer.add_scalar("train/grad_norm", rec["grad_norm"], step)
-    for i, (a, c) in enumerate(zip(rec["acc"], rec["ce"])):
-        writer.add_scalar(f"train/acc_{i}", a, step)
-        writer.add_scalar(f"train/ce_{i}", c, step)
-    writer.add_scalar("train/tau_simulated", simulated_tau(rec["acc"]), step)
-
-
-def _log_window(writer, window: deque, t: Trainer, prog: Progress, tokens_per_s: float, eta: float) -> None:
-    """The log line every log_every steps: the window's figures, throughput, MFU, memory."""
-    w, step = _window_metrics(window, t.k), prog.step
-    mfu = tokens_per_s * t.flops_per_token / (t.peak * t.info.world_size) if t.peak else None
-    mem = _peak_memory_gib(t.info.device)
-    log(f"[train] step {step}/{t.total_steps} | loss {w['loss']:.4f} | acc {' '.join(f'{a:.2f}' for a in w['acc'])} | "
-        f"tau {w['tau']:.2f} | lr {window[-1]['lr']:.2e} | gnorm {w['grad_norm']:.2f} | {tokens_per_s:,.0f} tok/s"
-        + (f" | mfu {100 * mfu:.1f}%" if mfu is not None else "") + f" | mem {mem:.1f} GiB | eta {_fmt_s(eta)}"
-        + (f" | skipped {prog.skipped}" if prog.skipped else ""))
-    writer.add_scalar("train/tokens_per_s", tokens_per_s, step)
-    writer.add_scalar("train/peak_memory_gib", mem, step)
-    if mfu is not None:
-        writer.add_scalar("train/mfu", mfu, step)
-    writer.flush()
-
-
-def finish(t: Trainer, prog: Progress, stopped: str, window: deque, evals: list[dict], wall: float, train_s: float,
-           tokens_per_s: float | None) -> dict:
-    """The run's drafter (the best by held-out figure when there are held-out samples, else the
-    last) in train/drafter, the held-out engine tau beside it, and the complete manifest."""
-    tc, info, out_dir, manifest, step = t.tc, t.info, t.out_dir, t.manifest, prog.step
-    device = info.device
-    if stopped == "budget" and info.is_main:
-        log(f"[train] budget of {tc.max_minutes:g} min spent after {prog.train_s / 60:.1f} min: stopped at step {step} of "
-            f"{t.total_steps}, checkpoint saved")
-    final = full_drafter(t.tr.model, t.cfg, info)
-    barrier(info)
-    if not info.is_main:
-        return manifest
-    final.eval()
-    best_rec = read_json_safe(out_dir / "best" / "best.json") if t.heldout_ids else {}
-    if best_rec:  # the drafter downstream stages use is the best by held-out figure; the last one stays beside it
-        last_sha = _save_drafter_atomic(final, out_dir / "last")
-        sha = _copy_drafter_atomic(out_dir / "best", out_dir / "drafter")
-        manifest["last"] = {"dir": "last", "sha256": last_sha, "step": step}
-    else:
-        sha = _save_drafter_atomic(final, out_dir / "drafter")
-        manifest.pop("last", None)
-        shutil.rmtree(out_dir / "last", ignore_errors=True)
-    w = _window_metrics(window, t.k)
-    manifest["output_fingerprint"] = fingerprint(t.fp, sha)  # downstream reruns when a continued run changed the drafter
-    manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(t.cfg),
-                           "from": f"best held-out {t.best_figure[2]} (step {best_rec['step']})" if best_rec else f"last step ({step})"}
-    manifest["device"], manifest["compute_dtype"] = device.type, str(t.compute_dtype).replace("torch.", "")
-    manifest["world_size"] = info.world_size
-    manifest["stopped"] = stopped  # steps: the planned step count (max_steps / max_tokens / epochs); budget: max_minutes
-    manifest["budget"] = {"max_tokens": tc.max_tokens, "max_minutes": tc.max_minutes, "total_steps": t.total_steps,
-                          "train_s": train_s}
-    manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(t.train_ids),
-                          "samples_heldout": len(t.heldout_ids), "samples_dropped": t.index.dropped,
-                          "tokens_per_epoch": sum(t.train_lengths), "batches_per_epoch": len(t.plan_of(prog.epoch)),
-                          "micro_batches_per_step": t.micro_per_step, "epochs_started": prog.epoch + 1,
-                          "batch_layout": tc.batch_layout, "micro_batch_tokens": t.micro_tokens}
-    manifest["metrics"] = {"loss": w["loss"], "acc_per_position": w["acc"], "tau_simulated": w["tau"],
-                           "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),
-                           "mfu": tokens_per_s * t.flops_per_token / (t.peak * info.world_size) if t.peak and tokens_per_s else None,
-                           "peak_memory_gib": round(_peak_memory_gib(device), 3), "train_flops_per_token": t.flops_per_token}
-    if best_rec:
-        held = t.heldout_ids
-        manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
-        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(held), len({t.conversations[j] for j in held}),
-                                                       t.tc.keep_best)
-        manifest["best"] = {"dir": "best", **best_rec}
-        if tc.heldout_engine_prompts > 0:
-            t0 = time.time()
-            prompts = engine_prompts(t.conversations, t.index.input_ids, t.index.loss_mask, held)
-            eng = engine_record(t.recipe, out_dir / "drafter", prompts, t.source.target if t.source.online else None)
-            manifest["metrics"]["heldout"]["engine"] = eng
-            manifest["timings"]["heldout_engine_s"] = round(time.time() - t0, 3)
-            log(f"[train] held-out tau measured by the engine {eng['tau_chain']:.3f} on {eng['prompts']} held-out prompts "
-                f"(greedy chain, depth {eng['depth']}, {eng['max_new_tokens']} new tokens, {time.time() - t0:.1f} s); "
-                f"held-out simulated tau of this drafter {best_rec['tau_simulated']:.3f}" if "skipped" not in eng
-                else f"[train] held-out tau by the engine skipped: {eng['skipped']}")
-    manifest["timings"]["train_s_this_session"] = round(wall, 3)
-    log(f"[train] done: {step} steps, loss {w['loss']:.4f}, acc {' '.join(f'{a:.2f}' for a in w['acc'])}, "
-        f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'} ({manifest['drafter']['from']})"
-        + (f"; held-out simulated tau best {best_rec['tau_simulated']:.3f}, last {evals[-1]['tau']:.3f}" if best_rec and evals else ""))
-    return finish_manifest(out_dir, manifest)
-
-
-def read_json_safe(path: Path) -> dict:
-    return read_json(path) if path.exists() else {}
