@@ -152,7 +152,7 @@ def test_evaluate_on_static_caches(recipe):
     assert list(b2["target_forward_ms"]) == ["1", "2", "4", "8", "16", "32"] and b2["draft_step_ms"] > 0
     assert list(b2["draft_step_ms_rows"]) == ["2", "4"]  # tree_topk 2, and 4 rows
     assert isinstance(b2["round_overhead_ms"], float) and isinstance(b2["plain_overhead_ms"], float)
-    assert set(met["accept_rate_per_position_by_method"]) == {"eagle3_chain", "eagle3_tree", "ngram"}
+    assert set(met["accept_rate_per_position_by_method"]) == {"eagle3_chain", "eagle3_tree", "ngram", "hybrid"}
     from draftsmith.plan import PlanConfig, plan
     p = plan(PlanConfig(run_dir=recipe.run_dir, batch_sizes=[1, 2]))
     engine = [r for r in p["rows"] if r["method"] == "eagle3-tree-engine"]
@@ -482,3 +482,32 @@ def test_prompts_from_the_training_source_leave_out_every_part_of_a_trained_conv
     res = read_json(run_dir / "eval" / "results.json")
     assert [p["id"] for p in res["prompts"]] == ["f", "g"]
     assert load_manifest(run_dir / "eval")["counts"]["prompts_in_training"] == 6
+
+
+def test_several_temperatures_in_one_run(recipe):
+    """evaluate.temperatures [0, 1]: every record and batch names its temperature, results.json and the
+    manifest hold each temperature's figures, the report one table per temperature, and the headline
+    figures are the served temperature's (evaluate.temperature, measured even when the list omits it)."""
+    recipe.evaluate.temperatures = [1.0]
+    recipe.evaluate.temperature = 0.0
+    recipe.evaluate.methods = ["eagle3_tree", "ngram", "hybrid"]
+    m = pipeline.run_stage("evaluate", recipe)
+    res = read_json(Path(recipe.run_dir) / "eval" / "results.json")
+    assert set(res["by_temperature"]) == {"0", "1"} and res["summary"]["temperature"] == 0.0
+    assert {r["temperature"] for r in res["prompts"]} == {0.0, 1.0} and {r["temperature"] for r in res["batches"]} == {0.0, 1.0}
+    assert all(r["key"].startswith(("T0/", "T1/")) for r in res["prompts"] + res["batches"])
+    by_t = m["metrics"]["by_temperature"]
+    assert set(by_t) == {"0", "1"} and set(by_t["1"]) == {"eagle3_tree", "ngram", "hybrid"}
+    assert m["metrics"]["temperature"] == 0.0 and m["metrics"]["methods"] == by_t["0"]
+    greedy = [r for r in res["prompts"] if r["temperature"] == 0.0]
+    assert all(r["methods"]["hybrid"]["lossless"] for r in greedy)  # the hybrid is lossless like the others
+    report = (Path(recipe.run_dir) / "eval" / "report.md").read_text()
+    assert "temperature 0 (served)" in report and "temperature 1" in report and "sampling at temperature 1" in report
+
+
+@pytest.mark.parametrize("value,words", [("[]", "is empty"), ("[-0.5]", "is not a temperature"),
+                                         ("[0, 1e999]", "is not a temperature")])
+def test_bad_temperature_lists_are_one_line_naming_the_key(value, words):
+    from draftsmith.config import parse_recipe
+    with pytest.raises(DraftsmithError, match=rf"evaluate\.temperatures .*{words}"):
+        parse_recipe(["recipes/quickstart.yaml", "--evaluate.temperatures", value])

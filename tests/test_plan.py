@@ -201,3 +201,25 @@ def test_planner_predicts_the_h200_trees_within_15_percent():
         assert abs(row["speedup"] - want) / want < 0.15, (row, want)
     old = plan.tree_tokens(accept, 64, max_depth=6, sibling=1.0)[0]
     assert old > 1.3 * big["summary"]["methods"]["eagle3_tree"]["overall"]["tau"]
+
+
+def test_hybrid_rows_hold_both_paths():
+    """The hybrid row: its tokens per step are at least the tree's and n-gram's (a round keeps the longer
+    accepted path), it verifies the tree and the n-gram chain in one forward, and measured hybrid
+    acceptance replaces the independence model."""
+    from draftsmith.plan import hybrid_tokens, predict
+    from draftsmith.costmodel import expected_tokens
+    assert hybrid_tokens([0.5, 0.5], [0.0]) == pytest.approx(expected_tokens([0.5, 0.5]))
+    assert hybrid_tokens([0.5], [1.0, 1.0, 1.0]) == pytest.approx(4.0)
+    assert hybrid_tokens([0.5, 0.5], [0.5, 0.5, 0.5]) == pytest.approx(1 + 0.75 + (1 - 0.75 * 0.75) + 0.125)
+    cost = {"target_forward_ms": {"1": 10.0, "4": 10.5, "8": 11.0, "16": 12.0, "32": 14.0}, "draft_step_ms": 0.5}
+    out = predict([0.6, 0.5, 0.4], cost, [1], ngram_accept=[0.4, 0.8, 0.9], engine_trees=[(4, 3, 8)],
+                  tree_accept=[0.7, 0.6, 0.5])
+    rows = {r["method"]: r for r in out["rows"] if r["method"] in ("eagle3-tree-engine", "ngram", "hybrid")}
+    h = rows["hybrid"]
+    assert h["tokens_per_step"] >= max(rows["eagle3-tree-engine"]["tokens_per_step"], rows["ngram"]["tokens_per_step"])
+    assert h["verified_tokens"] == 8 + rows["ngram"]["k"] + 1 and rows["ngram"]["k"] <= 3  # measured depth only
+    measured = predict([0.6], cost, [1], ngram_accept=[0.4, 0.8, 0.9], engine_trees=[(4, 3, 8)], tree_accept=[0.7, 0.6, 0.5],
+                       hybrid_accept=[0.5, 0.5, 0.5])
+    h = next(r for r in measured["rows"] if r["method"] == "hybrid")
+    assert h["tokens_source"] == "measured hybrid acceptance" and h["tokens_per_step"] == pytest.approx(1.875)

@@ -303,6 +303,26 @@ def test_turns_past_max_length_are_not_generated():
     assert calls[2:] == [1] * 5 and everything[0].messages[-1]["content"] == "x" * 10
 
 
+def test_max_turns_ends_each_conversation_after_its_last_regenerated_answer():
+    """regenerate.max_turns 1: one generate call per conversation, the conversation cut after its first
+    answer (no later user turn left without an answer, no human answer kept beside the target's)."""
+    from draftsmith.data.regenerate import Answer, regenerate_conversations
+
+    calls = []
+
+    def generate(prompts, answer_ids):
+        calls.append(len(prompts))
+        return [Answer(text="new", ids=[7]) for _ in prompts]
+
+    conv = [m for i in range(3) for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "old"})]
+    one = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}]
+    a, b = regenerate_conversations(generate, [conv, one], max_turns=1)
+    assert calls == [2]
+    assert [m["content"] for m in a.messages] == ["q0", "new"] and [m["content"] for m in b.messages] == ["s", "q", "new"]
+    two = regenerate_conversations(generate, [conv], max_turns=2)[0]
+    assert [m["content"] for m in two.messages] == ["q0", "new", "q1", "new"]
+
+
 def test_regenerated_samples_hold_the_targets_own_tokens(tmp_path):
     """Local decoding keeps the token ids the target produced: every content token of a regenerated
     sample is the target's greedy choice given the sample's tokens before it (decode -> encode is not
