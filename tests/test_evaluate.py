@@ -199,7 +199,7 @@ def test_evaluate_sampled(recipe, fast, capsys):
     recipe.evaluate.temperature, recipe.evaluate.fast, recipe.evaluate.step_costs = 0.8, fast, False
     m = pipeline.run_stage("evaluate", recipe)
     met = m["metrics"]
-    assert m["status"] == "complete" and set(met["methods"]) == {"eagle3_chain", "eagle3_tree", "ngram"}
+    assert m["status"] == "complete" and set(met["methods"]) == {"eagle3_chain", "eagle3_tree", "ngram", "hybrid"}
     assert all(1.0 <= r["tau"] <= 4.0 for r in met["methods"].values()) and set(met["batches"]["2"]) == set(met["methods"])
     res = read_json(recipe.run_dir + "/eval/results.json")
     assert all("lossless" not in r or r["lossless"] is None for p in res["prompts"] for r in p["methods"].values())

@@ -156,7 +156,7 @@ def test_unknown_evaluate_method_is_refused_before_any_stage(tmp_path, target, c
     err = capsys.readouterr().err.strip()
     # the bad value came from the flag, not the file: the error says so
     assert err == ("error: command line --evaluate.methods: evaluate.methods 'eagle3_chian': not a method; "
-                   "choose from eagle3_chain, eagle3_tree, ngram, plain (on the command line)")
+                   "choose from eagle3_chain, eagle3_tree, ngram, hybrid, plain (on the command line)")
     assert not (tmp_path / "run").exists()
     bad = tmp_path / "bad.yaml"
     r = yaml.safe_load(recipe.read_text())

@@ -287,7 +287,7 @@ def regenerate_conversations(generate, conversations: Sequence[list[dict]],
     msgs = [[dict(m) for m in c] for c in conversations]
     turns = [[j for j, m in enumerate(c) if m["role"] == "assistant"] for c in msgs]
     if max_turns is not None:
-        msgs = [m[:t[max_turns] if len(t) > max_turns else len(m)] for m, t in zip(msgs, turns)]
+        msgs = [m[:t[max_turns - 1] + 1] if len(t) > max_turns else m for m, t in zip(msgs, turns)]
         turns = [t[:max_turns] for t in turns]
     answers: list[list[Answer]] = [[] for _ in msgs]
     failed: list[Optional[str]] = [None] * len(msgs)

@@ -312,6 +312,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     temps = evaluate_temperatures(cfg)
     budget = prompt_budget(target, cfg, methods)
     measured = {}  # temperature -> (summary, records, batch records, too_long, fallbacks)
+    n0 = len(CAPTURE_FALLBACKS)  # this stage's CUDA-graph captures that fall back to eager (step costs' too)
     for T in temps:
         cfg_t = replace(cfg, temperature=T)
         prefix = f"T{T:g}/" if len(temps) > 1 else ""  # one temperature: the keys partial.jsonl always had
@@ -337,7 +338,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                     tree_topk=cfg.tree_topk) if cfg.step_costs and records else None
     if step_costs:
         step_costs.update(overheads(summary, step_costs, cfg))
-    all_fallbacks = [f for m in measured.values() for f in m[4]]
+    all_fallbacks = CAPTURE_FALLBACKS[n0:]
     if all_fallbacks:  # those calls ran eagerly: their timings are not the graphs path's
         log(f"[evaluate] WARNING: {len(all_fallbacks)} CUDA-graph capture(s) fell back to eager (capture_fallbacks in results.json)")
     results = {"config": cfg, "eos_ids": eos_token_ids(target), "summary": summary,
