@@ -35,6 +35,14 @@ BOUND_S = 300  # generous: the whole run takes about 10 s on this 2-core machine
 
 
 @pytest.fixture
+
+def end_for_good(p) -> None:
+    """A test's held writer, still running after a failure: resumed and killed with its process group."""
+    if p.poll() is None:
+        resume(p)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
 def recipe(tmp_path) -> Path:
     """A whole pipeline in seconds: 64 short conversations, 6 training steps, 2 evaluation prompts."""
     convs = [{"id": str(i), "conversations": [
@@ -130,10 +138,7 @@ def test_a_second_writer_refuses_with_one_line_and_writes_nothing(recipe, tmp_pa
         resume(first)
         finish(first, log)
     finally:
-        if first.poll() is None:
-            resume(first)
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+        end_for_good(first)
     assert_complete(run_dir)
     assert all(started(run_dir, s) == 1 for s in STAGE_DIRS), Ledger(run_dir).read()
     assert not [e for e in Ledger(run_dir).read() if e["event"] in ("stage_refused", "stage_failed")]
@@ -245,10 +250,7 @@ def test_a_reader_never_sees_a_half_written_file(recipe, tmp_path):
             time.sleep(rng.uniform(0.0, 0.3))  # where the next stop lands, not what it must find
         finish(first, log)
     finally:
-        if first.poll() is None:
-            resume(first)
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+        end_for_good(first)
     check_readable(run_dir)
     assert_complete(run_dir)
     assert stops >= 5 and seen_complete, (stops, seen_complete)  # stops landed while stages were running and done
