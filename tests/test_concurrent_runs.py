@@ -34,8 +34,6 @@ STAGE_DIRS = {"prepare": "data", "capture": "capture", "vocab": "vocab", "train"
 BOUND_S = 300  # generous: the whole run takes about 10 s on this 2-core machine
 
 
-@pytest.fixture
-
 def end_for_good(p) -> None:
     """A test's held writer, still running after a failure: resumed and killed with its process group."""
     if p.poll() is None:
@@ -43,6 +41,8 @@ def end_for_good(p) -> None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
+
+@pytest.fixture
 def recipe(tmp_path) -> Path:
     """A whole pipeline in seconds: 64 short conversations, 6 training steps, 2 evaluation prompts."""
     convs = [{"id": str(i), "conversations": [
