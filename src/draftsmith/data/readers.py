@@ -170,21 +170,28 @@ _OPEN_CLOSE = re.compile(rb"[\[\]{}\"]")
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 
 
+def _brackets(b, pos: int = 0, end: Optional[int] = None) -> Iterator[tuple[int, int]]:
+    """(byte, offset) of every bracket of JSON text `b` in [pos, end), strings skipped; it stops at a
+    string that does not close there. The one scan that nesting_depth, _object_end and
+    next_record_start share."""
+    end = len(b) if end is None else end
+    while (m := _OPEN_CLOSE.search(b, pos, end)) is not None:
+        pos = m.end()
+        if b[m.start()] == 0x22:  # a string
+            sm = _STRING.match(b, m.start(), end)
+            if sm is None:
+                return
+            pos = sm.end()
+            continue
+        yield b[m.start()], m.start()
+
+
 def nesting_depth(b: bytes | memoryview, stop_at: int = MAX_DEPTH) -> int:
     """Deepest bracket nesting of JSON text `b` (strings skipped), counting stops past `stop_at`."""
     if b.count(b"[") + b.count(b"{") <= stop_at:
         return 0  # not deeper than stop_at: it has no more brackets than that (exact depth not needed)
     depth = deepest = 0
-    pos = 0
-    while (m := _OPEN_CLOSE.search(b, pos)) is not None:
-        c = b[m.start()]
-        if c == 0x22:  # a string
-            sm = _STRING.match(b, m.start())
-            if sm is None:
-                return deepest
-            pos = sm.end()
-            continue
-        pos = m.end()
+    for c, _ in _brackets(b):
         if c in (0x5B, 0x7B):
             depth += 1
             if depth > deepest:
@@ -411,19 +418,11 @@ _RECORD_KEYS = ("conversations", "messages")
 def _object_end(mm, at: int) -> Optional[int]:
     """End (exclusive) of the balanced {...} opening at `at` (strings skipped), None if it does not close
     within MAX_RECORD_BYTES."""
-    depth, pos, limit = 0, at, min(len(mm), at + MAX_RECORD_BYTES)
-    while (m := _OPEN_CLOSE.search(mm, pos, limit)) is not None:
-        c = mm[m.start()]
-        if c == 0x22:
-            sm = _STRING.match(mm, m.start(), limit)
-            if sm is None:
-                return None
-            pos = sm.end()
-            continue
-        pos = m.end()
+    depth = 0
+    for c, i in _brackets(mm, at, min(len(mm), at + MAX_RECORD_BYTES)):
         depth += 1 if c in (0x5B, 0x7B) else -1
         if depth == 0:
-            return pos
+            return i + 1
     return None
 
 
@@ -431,28 +430,19 @@ def next_record_start(mm, frm: int) -> Optional[int]:
     """Offset of the first `{` from `frm` (outside strings) that opens a whole ShareGPT record: a balanced
     object that parses, has `conversations` or `messages`, and is followed by `,` or `]`. A message
     object ({from, value}) inside a broken record is not one, so the scan resumes at a record's start."""
-    pos = frm
-    while (m := _OPEN_CLOSE.search(mm, pos)) is not None:
-        c = mm[m.start()]
-        if c == 0x22:
-            sm = _STRING.match(mm, m.start())
-            if sm is None:
-                return None
-            pos = sm.end()
-            continue
-        pos = m.end()
+    for c, at in _brackets(mm, frm):
         if c != 0x7B:
             continue
-        end = _object_end(mm, m.start())
+        end = _object_end(mm, at)
         after = _NONSPACE.search(mm, end) if end is not None else None
         if after is None or mm[after.start()] not in (0x2C, 0x5D):
             continue
         try:
-            rec = json.loads(bytes(mm[m.start():end]))
+            rec = json.loads(bytes(mm[at:end]))
         except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict) and any(k in rec for k in _RECORD_KEYS):
-            return m.start()
+            return at
     return None
 
 
