@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -88,10 +89,7 @@ def hybrid_tokens(tree_accept: Sequence[float], ngram_accept: Sequence[float]) -
     independent: a round accepts the longer path, so P(>= j accepted) = 1 - (1 - T_j)(1 - N_j) with
     T_j, N_j the products of each one's per-depth acceptance up to j (0 past its depth)."""
     def reach(a: Sequence[float], j: int) -> float:
-        r = 1.0
-        for x in a[:j]:
-            r *= x
-        return r if j <= len(a) else 0.0
+        return math.prod(a[:j]) if j <= len(a) else 0.0
     depth = max(len(tree_accept), len(ngram_accept))
     return 1.0 + sum(1 - (1 - reach(tree_accept, j)) * (1 - reach(ngram_accept, j)) for j in range(1, depth + 1))
 
@@ -232,7 +230,8 @@ class PlanConfig:
 
 def _eval_metrics(run_dir: Path) -> tuple[Optional[list[float]], Optional[dict], Optional[str], dict]:
     """(chain acceptance per position, step costs, the manifest's path, the tree: its measured
-    acceptance per depth and shape (topk, depth, budget) where the run evaluated eagle3_tree)."""
+    acceptance per depth and shape (topk, depth, budget) where the run evaluated eagle3_tree, and the
+    per-round acceptance of n-gram and the hybrid where it evaluated them: ngram_accept, hybrid_accept)."""
     m = load_manifest(stage_dir(run_dir, "evaluate"))
     if not m or m.get("status") != "complete":
         return None, None, None, {}
@@ -243,9 +242,10 @@ def _eval_metrics(run_dir: Path) -> tuple[Optional[list[float]], Optional[dict],
     c = m.get("config") or {}
     if rates and all(c.get(k) for k in ("tree_topk", "tree_depth", "tree_budget")):
         tree = {"accept": rates, "shape": (int(c["tree_topk"]), int(c["tree_depth"]), int(c["tree_budget"]))}
-        # over every round (evaluate's per_round_rates): prompt lookup's rounds without a match count
-        per_round = m.get("metrics", {}).get("accept_rate_per_position_per_round_by_method") or {}
-        tree.update({f"{k}_accept": per_round[k] for k in ("hybrid", "ngram") if per_round.get(k)})
+    # over every round (evaluate's per_round_rates): prompt lookup's rounds without a match count; n-gram's
+    # whether or not the run evaluated a tree
+    per_round = m.get("metrics", {}).get("accept_rate_per_position_per_round_by_method") or {}
+    tree.update({f"{k}_accept": per_round[k] for k in ("hybrid", "ngram") if per_round.get(k)})
     return m.get("metrics", {}).get("accept_rate_per_position"), sc, src, tree
 
 
@@ -263,7 +263,7 @@ def plan(cfg: PlanConfig) -> dict:
             sources["accept"] = f"{src}: metrics.accept_rate_per_position"
         if step_costs:
             sources["step_costs"] = f"{src}: step_costs"
-        if tree:
+        if "shape" in tree:
             sources["tree_accept"] = f"{src}: metrics.accept_rate_per_position_by_method.eagle3_tree"
         for k in ("hybrid", "ngram"):
             if tree.get(f"{k}_accept"):
@@ -308,7 +308,7 @@ def plan(cfg: PlanConfig) -> dict:
     if "ngram_accept" not in sources:
         sources["ngram_accept"] = f"--ngram_alpha {cfg.ngram_alpha}"
     out.update(predict(accept, cost, cfg.batch_sizes, ngram_accept=tree.get("ngram_accept", cfg.ngram_alpha),
-                       engine_trees=[tree["shape"]] if tree else [], tree_accept=tree.get("accept"),
+                       engine_trees=[tree["shape"]] if "shape" in tree else [], tree_accept=tree.get("accept"),
                        hybrid_accept=tree.get("hybrid_accept")))
     return out
 

@@ -313,25 +313,27 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     budget = prompt_budget(target, cfg, methods)
     measured = {}  # temperature -> (summary, records, batch records, too_long, fallbacks)
     n0 = len(CAPTURE_FALLBACKS)  # this stage's CUDA-graph captures that fall back to eager (step costs' too)
+    eos, spot_check = eos_token_ids(target), None
     for T in temps:
         cfg_t = replace(cfg, temperature=T)
         prefix = f"T{T:g}/" if len(temps) > 1 else ""  # one temperature: the keys partial.jsonl always had
-        ev = Evaluation(target, drafter, cfg_t, methods, eos_token_ids(target), runners, partial, done, prefix=prefix)
+        ev = Evaluation(target, drafter, cfg_t, methods, eos, runners, partial, done, prefix=prefix)
         n_fallbacks = len(CAPTURE_FALLBACKS)  # this temperature's CUDA-graph captures that fall back to eager
         records, too_long = ev.turns(todo, budget)
         if not records:
             raise DraftsmithError(f"{', '.join(cfg.benchmarks)}: no prompt fits the target's positions with evaluate.max_new_tokens "
                                   f"{cfg.max_new_tokens} ({len(too_long)} refused, longest limit {budget}); use shorter prompts or "
                                   "lower evaluate.max_new_tokens")
-        spot_check = ev.greedy_spot_check(records) if 0 not in temps or T <= 0 else {}  # greedy measured: checked there
+        if spot_check is None and T > 0:  # greedy decoding is checked once: measured (0 in temps) or spot-checked
+            spot_check = {} if 0 in temps else ev.greedy_spot_check(records)
         batch_records = ev.batches(records)
         summary = summarize(records, batch_records, cfg_t, methods)
-        for m, tally in spot_check.items():
+        for m, tally in (spot_check or {}).items():
             summary["methods"][m]["lossless"] = tally
         summary["path"], summary["temperature"] = runners.mode, T
         summary["roofline"] = decode_roofline(target, summary["plain"]["tokens_per_s"])
         measured[T] = (summary, records, batch_records, too_long, CAPTURE_FALLBACKS[n_fallbacks:])
-    summary, records, batch_records, too_long, fallbacks = measured[float(cfg.temperature)]  # the served temperature's: headline
+    summary, records, batch_records, too_long, _ = measured[float(cfg.temperature)]  # the served temperature's: headline
 
     step_costs = measure_step_costs(target, drafter, records[0]["prompt_ids"] + records[0]["plain_tokens"], runners=runners,
                                     batch_sizes=[b for b in cfg.batch_sizes if b > 1 and b <= len(records)],
@@ -341,7 +343,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     all_fallbacks = CAPTURE_FALLBACKS[n0:]
     if all_fallbacks:  # those calls ran eagerly: their timings are not the graphs path's
         log(f"[evaluate] WARNING: {len(all_fallbacks)} CUDA-graph capture(s) fell back to eager (capture_fallbacks in results.json)")
-    results = {"config": cfg, "eos_ids": eos_token_ids(target), "summary": summary,
+    results = {"config": cfg, "eos_ids": eos, "summary": summary,
                "step_costs": step_costs, "prompts": [r for m in measured.values() for r in m[1]],
                "batches": [r for m in measured.values() for r in m[2]], "prompts_too_long": too_long,
                "capture_fallbacks": all_fallbacks}
