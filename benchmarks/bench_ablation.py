@@ -193,7 +193,9 @@ def eval_flags(args, ngram: bool = False) -> list[str]:
             "--evaluate.tree_depth", str(args.draft_steps), "--evaluate.methods", methods, "--evaluate.step_costs", "false",
             # bf16 MoE targets: a verify over N rows may end a near-tie otherwise than plain decoding (H200, 2026-12-06:
             # a 0.127 gap against the 0.1 tolerance); each turn's divergence is recorded (identical_to_plain), not fatal
-            "--evaluate.check_lossless", "false"]
+            "--evaluate.check_lossless", "false",
+            *(["--evaluate.temperatures", "[" + ",".join(f"{t:g}" for t in args.temperatures) + "]"]
+              if getattr(args, "temperatures", None) else [])]
 
 
 def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[str], ngram: bool = False) -> dict:
@@ -225,6 +227,23 @@ def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[st
            "identical_to_plain": {m: sum(p["methods"][m].get("lossless") is True for p in prompts) for m in eagle}}
     if "ngram" in methods:
         out.update(ngram_tau=methods["ngram"]["tau"], ngram_speedup=methods["ngram"]["speedup"])
+    out["by_temperature"] = by_temperature(ev["metrics"], prompts, eagle)
+    return out
+
+
+def by_temperature(metrics: dict, prompts: list[dict], eagle) -> dict:
+    """{"<T>": {tau_chain, tau_tree, speedup_chain, speedup_tree, [ngram_tau, ngram_speedup,] per_turn}} for
+    every temperature the evaluation measured (evaluate.temperatures; one: the evaluation's own), each from
+    that temperature's figures and turns (a record names its temperature)."""
+    served = f"{float(metrics.get('temperature') or 0):g}"
+    by = metrics.get("by_temperature") or {served: metrics["methods"]}
+    out = {}
+    for T, methods in by.items():
+        row = {f"{k}_{m.split('_')[-1]}": methods[m][k] for m in eagle if m in methods for k in ("tau", "speedup")}
+        if "ngram" in methods:
+            row.update(ngram_tau=methods["ngram"]["tau"], ngram_speedup=methods["ngram"]["speedup"])
+        row["per_turn"] = per_turn([p for p in prompts if f"{float(p.get('temperature') or 0):g}" == T], eagle)
+        out[T] = row
     return out
 
 

@@ -278,6 +278,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--benchmark", default="mtbench", help="evaluate.benchmarks entry: mtbench or a question file")
     p.add_argument("--draft-steps", type=int, default=5)
+    p.add_argument("--temperatures", type=lambda v: [float(t) for t in v.split(",")], default=None,
+                   help="comma-separated temperatures the engine measures both drafters at (evaluate.temperatures; "
+                        "default: the recipe's evaluate.temperature alone); peer_tau_ratio_by_temperature has one ratio each")
+    p.add_argument("--serves", type=lambda v: [float(t) for t in v.split(",")], default=None,
+                   help="the temperatures our recipe is made for (a greedy server: 0; a sampling one: e.g. 0.7,1): "
+                        "--by-temperature takes each temperature's ratio from the result that serves it")
+    p.add_argument("--by-temperature", nargs="+", metavar="JSON",
+                   help="no training: one ratio per temperature from bench_peer results run with --serves, each "
+                        "temperature's from the result whose recipe serves it, into --out")
     p.add_argument("--peer-loss", choices=("eager", "fused"), default="eager",
                    help="speculators' loss implementation: eager (default; the same values, its tests check) or fused, "
                         "its Triton kernel, which torch 2.11's dynamo fails to trace inside its compiled forward on the "
@@ -295,6 +304,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
+    if args.by_temperature:
+        return combine_temperatures(args.by_temperature, args.out)
     if args.smoke:
         import tempfile
 
@@ -305,7 +316,8 @@ def main(argv=None) -> int:
         p.error("--recipe, --base and --heldout are required (or --smoke)")
     ours_flags = args.ours.split()
     result = {"recipe": args.recipe, "ours_flags": ours_flags, "depth": args.depth, "sim_depth": args.sim_depth,
-              "eval_prompts": args.eval_prompts, "benchmark": args.benchmark, "ours": [], "theirs": []}
+              "eval_prompts": args.eval_prompts, "benchmark": args.benchmark, "serves": args.serves,
+              "ours": [], "theirs": []}
     for seed in [int(s) for s in args.seeds.split(",")]:
         ours_dir = Path(args.work) / f"{args.ours_name}-s{seed}"
         ablation.link_stages(Path(args.base), ours_dir)
@@ -364,6 +376,18 @@ def summarize(result: dict, key: str, out: str | None) -> int:
     ci = ratio_interval(result, key)
     if ci:
         result["peer_tau_ratio_ci95"], result["peer_tau_ratio_turns"] = ci
+    temps = [set(r.get("by_temperature", {})) for r in result["ours"] + result["theirs"]]
+    if key == "tau_tree" and temps and all(temps):
+        result["peer_tau_ratio_by_temperature"] = {}
+        for T in sorted(set.intersection(*temps), key=float):
+            at = {side: [r["by_temperature"][T] for r in result[side]] for side in ("ours", "theirs")}
+            mean = {side: sum(r["tau_tree"] for r in rows) / len(rows) for side, rows in at.items()}
+            ci_T = ratio_interval(at, key)
+            result["peer_tau_ratio_by_temperature"][T] = {
+                "ratio": mean["ours"] / mean["theirs"], "ours_tau_tree": mean["ours"], "theirs_tau_tree": mean["theirs"],
+                **({"ci95": ci_T[0], "turns": ci_T[1]} if ci_T else {})}
+            print(f"[peer] temperature {T}: ours tree tau {mean['ours']:.3f}, theirs {mean['theirs']:.3f}: "
+                  f"ratio {mean['ours'] / mean['theirs']:.3f}" + (f" (95% {ci_T[0][0]:.3f}-{ci_T[0][1]:.3f})" if ci_T else ""))
     print(f"[peer] seeds {','.join(str(r['seed']) for r in result['ours'])}: ours {key} {result['ours_mean'][key]:.3f}, "
           f"theirs {result['theirs_mean'][key]:.3f}: peer_tau_ratio {result['peer_tau_ratio']:.3f}"
           + (f" (95% over turns: {ci[0][0]:.3f}-{ci[0][1]:.3f}, {ci[1]} turns)" if ci else ""))
@@ -378,7 +402,7 @@ def ratio_interval(result: dict, key: str, draws: int = 2000, seed: int = 0):
     tau over them sum(emitted) / sum(rounds), the ratio of the sides' means over seeds. None when
     a row lacks its turns (older results, tau_sim) or the sides measured other turns."""
     method = {"tau_tree": "eagle3_tree", "tau_chain": "eagle3_chain"}.get(key)
-    rows = result["ours"] + result["theirs"]
+    rows = result["ours"] + result["theirs"]  # result: or any {"ours": rows, "theirs": rows} (one temperature's)
     if method is None or not all(method in r.get("per_turn", {}) for r in rows):
         return None
     keys = [t[0] for t in rows[0]["per_turn"][method]]
@@ -393,7 +417,7 @@ def ratio_interval(result: dict, key: str, draws: int = 2000, seed: int = 0):
     return (float(ratio[int(0.025 * draws)]), float(ratio[int(0.975 * draws) - 1])), len(keys)
 
 
-SAME = ("recipe", "ours_flags", "depth", "sim_depth", "eval_prompts", "benchmark", "peer_tau_ratio_of")
+SAME = ("recipe", "ours_flags", "depth", "sim_depth", "eval_prompts", "benchmark", "serves", "peer_tau_ratio_of")
 
 
 def merge(files: list[str], out: str | None) -> int:
@@ -431,6 +455,38 @@ def merge(files: list[str], out: str | None) -> int:
     merged["peer_defaults"] = first.get("peer_defaults")
     merged["phases_s"] = {s: v for r in results for s, v in r.get("phases_s", {}).items()}
     return summarize(merged, first["peer_tau_ratio_of"], out)
+
+
+def combine_temperatures(files: list[str], out: str | None) -> int:
+    """peer_tau_ratio at each temperature from the bench_peer result whose recipe serves it (--serves):
+    a server decoding greedily runs the greedy recipe, one sampling at 0.7 or 1 the sampling recipe, and
+    each is compared with the same peer checkpoint measured at that temperature. One line for a file
+    without --serves or a temperature two files claim."""
+    picked: dict = {}
+    for f in files:
+        try:
+            r = read_json(Path(f))
+        except DraftsmithError as e:
+            raise SystemExit(f"bench_peer --by-temperature: {e}") from None
+        if "partial" in r or not r.get("serves") or "peer_tau_ratio_by_temperature" not in r:
+            raise SystemExit(f"bench_peer --by-temperature: {f}: not a complete bench_peer result run with --serves and "
+                             "--temperatures (it needs serves and peer_tau_ratio_by_temperature); run it so")
+        for t in r["serves"]:
+            T = f"{t:g}"
+            if T in picked:
+                raise SystemExit(f"bench_peer --by-temperature: temperature {T} is served by {picked[T]['file']} and {f}; "
+                                 "give each temperature one recipe")
+            if T not in r["peer_tau_ratio_by_temperature"]:
+                raise SystemExit(f"bench_peer --by-temperature: {f} serves temperature {T} but did not measure it; "
+                                 f"rerun it with --temperatures including {T}")
+            picked[T] = {"file": Path(f).name, "ours_flags": r["ours_flags"], **r["peer_tau_ratio_by_temperature"][T]}
+    result = {"by_temperature": dict(sorted(picked.items(), key=lambda kv: float(kv[0]))),
+              "min_ratio": min(v["ratio"] for v in picked.values())}
+    for T, v in result["by_temperature"].items():
+        print(f"[peer] temperature {T} ({v['file']}): ratio {v['ratio']:.3f}")
+    if out:
+        atomic_write_json(Path(out), result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ reference_training.json, train_metrics.jsonl, and where present train_manifest.j
 pipeline's training MFU), bench_capture.json, bench_train.json, bench_train_kimi.json (its Kimi probe replaces
 bench_train.json's), bench_train_real_h512/2048/4096.json (training on real captures), regen_manifest.json,
 profile_rounds.json, bench_engine.json (engine efficiency at fixed τ on the 8B-shaped pair) and
-bench_peer.json (the peer at equal data: peer_tau_ratio). Every figure is computed here from those files; nothing is typed in."""
+bench_peer.json (the peer at equal data: peer_tau_ratio) and peer_temperatures.json (bench_peer.py --by-temperature:
+peer_tau_ratio_T<T>, each temperature against our recipe for it). Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
 
 import argparse
@@ -172,6 +173,13 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
                        **{side: {k: (r3(v) if isinstance(v, float) else [r3(a) for a in v])
                                  for k, v in bp[f"{side}_mean"].items()} for side in ("ours", "theirs")},
                        "theirs_steps": [r["steps"] for r in bp["theirs"]], "ours_steps": [r["steps"] for r in bp["ours"]]}
+    bt = load("peer_temperatures.json", required=False)  # bench_peer.py --by-temperature: each temperature's recipe
+    if bt:
+        for T, v in bt["by_temperature"].items():
+            out[f"peer_tau_ratio_T{T}"] = r3(v["ratio"])
+        out["peer_by_temperature"] = {T: {k: (r3(x) if isinstance(x, float) else x) for k, x in v.items() if k != "ci95"}
+                                      | ({"ci95": [r3(x) for x in v["ci95"]]} if "ci95" in v else {})
+                                      for T, v in bt["by_temperature"].items()}
     pr = load("profile_rounds.json", required=False)  # where a round's time goes
     if pr:
         out["round_profile"] = {m: {k: v[k] for k in ("rounds", "ms_per_round_profiled", "gpu_busy_ms_per_round")}

@@ -57,7 +57,7 @@ peer() { local name=$1 flags=$2 limit=$3  # bench_peer.py: speculators' trainer 
     --recipe "${PEER_RECIPE:-benchmarks/recipes/h200.yaml}" --base /tmp/runs/peer/base --heldout /tmp/runs/peer/heldout \
     --work /tmp/runs/peer/work --seeds "${PEER_SEEDS:-0}" ${PEER_NGRAM---ngram} --depth 6 --sim-depth 5 --eval-prompts "${PEER_PROMPTS:-16}" \
     --max-new-tokens 128 --benchmark build/gpu/mtbench_question.jsonl --ours "--train.online false ${PEER_ARGS:-} $flags" \
-    --ours-name "$name" --out "$OUT/$name-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json"; }  # partial while cut: bench_peer.py
+    --ours-name "$name" ${PEER_TEMPS:+--temperatures $PEER_TEMPS} ${PEER_SERVES:+--serves $PEER_SERVES} --out "$OUT/$name-s$(echo "${PEER_SEEDS:-0}" | tr , _)-bench_peer.json"; }  # partial while cut: bench_peer.py
 # A new checkout lacks the gitignored inputs: one line and no step run, not a traceback per step
 fix="run bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"
 python3 -c "import jsonargparse" 2>/dev/null || { echo "h200.sh: jsonargparse is not importable and .whl/site is missing: $fix"
@@ -123,6 +123,8 @@ for s in $STEPS; do case $s in
              # PEER_SEEDS: e.g. 0,1,2 (or one call a seed, then bench_peer.py --merge; on an H100 with PEER_PROMPTS=80
              # the first seed took 456 s after call A, the next 325 s: one seed a call)
              # PEER_PROMPTS: MT-Bench questions (16; 80 = all, 160 turns); PEER_NGRAM= (empty) leaves n-gram out
+             # PEER_TEMPS: e.g. 0,0.7,1 (both drafters at each); PEER_SERVES: the temperatures our recipe is for (then
+             # bench_peer.py --by-temperature A.json B.json takes each temperature's ratio from the recipe serving it)
              peer "${PEER_OURS_NAME:-ours}" "${PEER_OURS:-}" "${PEER_LIMIT:-450}" ;;
   peersweep) # ours at other settings against the peer step's checkpoints (same seeds) and measurements, reused when the
              # variant's evaluate settings are the peer's, measured again when not (e.g. --evaluate.temperature 1): on an H100

@@ -134,6 +134,54 @@ def test_merge_of_seeds_run_apart(tmp_path, monkeypatch):
     assert not (tmp_path / "dup.json").exists()
 
 
+def test_ratios_by_temperature_each_from_the_recipe_that_serves_it(tmp_path, monkeypatch):
+    """An evaluation at several temperatures gives a row per temperature (its own figures and turns,
+    a record names its temperature); bench_peer's summary has one ratio per temperature both sides
+    measured, with its interval over that temperature's turns; --by-temperature takes each temperature
+    from the result whose recipe serves it and refuses, in one line, a temperature two results claim
+    or one a result serves but never measured."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_ablation as ab
+    import bench_peer
+
+    eagle = ("eagle3_chain", "eagle3_tree")
+    metrics = {"temperature": 0.0, "methods": {}, "by_temperature": {
+        "0": {"eagle3_chain": {"tau": 3.0, "speedup": 2.0}, "eagle3_tree": {"tau": 4.0, "speedup": 2.5}},
+        "1": {"eagle3_chain": {"tau": 2.0, "speedup": 1.5}, "eagle3_tree": {"tau": 2.5, "speedup": 1.6}}}}
+    prompts = [{"key": f"T{T}/mtbench#0", "temperature": float(T),
+                "methods": {m: {"emitted": 8 + T, "rounds": 2} for m in eagle}} for T in (0, 1)]
+    by = ab.by_temperature(metrics, prompts, eagle)
+    assert by["1"]["tau_tree"] == 2.5 and by["0"]["speedup_chain"] == 2.0
+    assert by["1"]["per_turn"]["eagle3_tree"] == [["T1/mtbench#0", 9, 2]]  # that temperature's turns only
+    assert ab.by_temperature({"temperature": 0.7, "methods": metrics["by_temperature"]["1"]},
+                             [dict(prompts[1], temperature=0.7)], eagle)["0.7"]["tau_tree"] == 2.5  # one temperature
+
+    def row(seed, t0, t1):
+        turns = lambda tau: {"eagle3_tree": [["a", tau * 4, 4], ["b", tau * 2, 2]]}  # noqa: E731
+        return {"seed": seed, "tau_tree": t0, "per_turn": turns(t0), "by_temperature": {
+            "0": {"tau_tree": t0, "per_turn": turns(t0)}, "1": {"tau_tree": t1, "per_turn": turns(t1)}}}
+
+    def result(name, ours, theirs, serves):
+        r = {"ours": [row(0, *ours)], "theirs": [row(0, *theirs)], "serves": serves, "ours_flags": [name]}
+        bench_peer.summarize(r, "tau_tree", None)
+        (tmp_path / name).write_text(json.dumps(r))
+        return r, str(tmp_path / name)
+
+    greedy, g = result("greedy.json", (4.4, 2.0), (4.0, 4.0), [0.0])
+    assert greedy["peer_tau_ratio_by_temperature"]["1"]["ratio"] == 0.5
+    assert [round(x, 6) for x in greedy["peer_tau_ratio_by_temperature"]["0"]["ci95"]] == [1.1, 1.1]  # every turn has the same ratio
+    _, sampled = result("sampled.json", (4.0, 4.4), (4.0, 4.0), [1.0])
+    out = tmp_path / "temps.json"
+    assert bench_peer.main(["--by-temperature", g, sampled, "--out", str(out)]) == 0
+    t = json.loads(out.read_text())
+    assert {T: round(v["ratio"], 6) for T, v in t["by_temperature"].items()} == {"0": 1.1, "1": 1.1}
+    assert t["by_temperature"]["1"]["file"] == "sampled.json" and round(t["min_ratio"], 6) == 1.1
+    with pytest.raises(SystemExit, match="temperature 0 is served by greedy.json and .*other.json"):
+        bench_peer.main(["--by-temperature", g, result("other.json", (4.0, 4.4), (4.0, 4.0), [0.0])[1]])
+    with pytest.raises(SystemExit, match="serves temperature 0.7 but did not measure it"):
+        bench_peer.main(["--by-temperature", result("x.json", (4.0, 4.4), (4.0, 4.0), [0.7])[1]])
+
+
 @pytest.mark.parametrize("script", ["bench_peer.py", "bench_ablation.py"])
 def test_a_base_without_its_stages_is_one_line_and_links_nothing(tmp_path, script):
     """--base naming a run whose capture was never made: one line naming the stage's manifest and
