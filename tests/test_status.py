@@ -164,6 +164,28 @@ def _set(run, stage, **kw):
     p.write_text(json.dumps(m))
 
 
+def test_a_drafter_capped_by_the_round_cost_is_not_told_to_train_longer(tmp_path):
+    """When even an all-accepted round could not pass n-gram's speedup (the quickstart on 2 CPU
+    cores: a depth-2 tree round costs 2.4 plain steps, so at most 3 / 2.4 = 1.25x against n-gram's
+    1.69x), the finding says so from the measured τ ÷ speedup and gives no rerun as the next step;
+    a drafter that could still win by acceptance keeps the training advice."""
+    run, _ = make_run(tmp_path, done=("prepare", "capture", "vocab", "train", "evaluate", "export"))
+    _set(run, "train", metrics={"heldout": {"samples": 26, "best_step": 90, "best_tau_simulated": 1.49,
+                                             "last_tau_simulated": 1.49, "still_improving": True}})
+    _set(run, "evaluate", config={"draft_steps": 2, "tree_depth": 2},
+         metrics={"methods": {"eagle3_chain": {"tau": 1.23, "speedup": 0.63}, "eagle3_tree": {"tau": 1.42, "speedup": 0.59},
+                              "ngram": {"tau": 2.60, "speedup": 1.69}, "hybrid": {"tau": 3.09, "speedup": 1.25}}})
+    st = status.collect(run)
+    lose = next(f for f in st["findings"] if f["kind"] == "loses_to_ngram")
+    assert lose["fix"].startswith("training longer cannot pass n-gram on this device")
+    assert "eagle3_tree round costs 2.4 plain decoding steps" in lose["fix"] and "at most 1.2x" in lose["fix"]
+    assert "hybrid" in lose["fix"] and "train longer" not in lose["fix"]
+    assert st["next_step"]["command"] is None and "then rerun" not in st["next_step"]["text"]
+    _set(run, "evaluate", config={"draft_steps": 5, "tree_depth": 5})  # 6 / 2.4 = 2.5x > 1.69x: acceptance could win
+    lose = next(f for f in status.collect(run)["findings"] if f["kind"] == "loses_to_ngram")
+    assert "train longer" in lose["fix"]
+
+
 def test_findings_name_what_stands_between_the_drafter_and_a_win(tmp_path):
     """Once every stage is done, the next step comes from the figures: a drafter that loses to n-gram
     lookup, a held-out figure falling while the training one rises, a drafter evaluated deeper than

@@ -264,7 +264,10 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
         lose = {m: v for m, v in methods.items() if m.startswith("eagle3") and v.get("tau") is not None
                 and (v["tau"] < ngram["tau"] or (v.get("speedup") or 0) < (ngram.get("speedup") or 0))}
         if lose:
-            if held.get("still_improving"):
+            capped = _drafting_ceilings(lose, ev, ngram)
+            if capped:
+                fix = capped
+            elif held.get("still_improving"):
                 fix = "the held-out figure was still rising at the last evaluation: train longer (raise train.epochs)"
             elif held:
                 fix = "the held-out figure had levelled off: more data helps more than more steps (raise prepare.max_samples, regenerate on)"
@@ -274,7 +277,7 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                         "text": "; ".join(f"{m} τ {v['tau']:.3g} / {_fmt('', v.get('speedup'))}x" for m, v in lose.items())
                                 + f" against n-gram lookup's τ {ngram['tau']:.3g} / {_fmt('', ngram.get('speedup'))}x, "
                                   "which costs nothing to train",
-                        "fix": fix})
+                        "fix": fix, "rerun": not capped})  # capped: rerunning the same recipe cannot change it
     if ev and t_served == 0 and t_regen:  # last: the figures hold, for greedy decoding
         out.append({"kind": "greedy_eval_of_sampled_answers", "source": f"{_mf('regenerate')}: config.temperature; "
                                                                        f"{_mf('evaluate')}: config.temperature",
@@ -285,6 +288,31 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                     "fix": f"measure it as it will be served: set evaluate.temperature to the server's (e.g. {t_regen:g}); "
                            "for a server that decodes greedily, regenerate greedily (regenerate.temperature 0)"})
     return out
+
+
+def _drafting_ceilings(lose: dict, ev: dict, ngram: dict) -> Optional[str]:
+    """When no drafter could pass n-gram's speedup at the measured depth, say so instead of
+    advising more training. A round's cost in plain decoding steps is τ ÷ speedup (both measured
+    on the same prompts); with every draft accepted a depth-d round emits d + 1 tokens, so the
+    method's speedup is at most (d + 1) ÷ that cost (a ceiling: an all-accepted round feeds the
+    drafter a few more rows). None when some losing method could still win by acceptance alone."""
+    depth = {"eagle3_chain": _get(ev, "config.draft_steps"), "eagle3_tree": _get(ev, "config.tree_depth")}
+    s_ngram, caps = ngram.get("speedup") or 0, []
+    for m, v in lose.items():
+        d, tau, sp = depth.get(m), v.get("tau"), v.get("speedup")
+        if not (d and tau and sp):
+            return None
+        cost = tau / sp
+        if (d + 1) / cost >= s_ngram:
+            return None
+        caps.append(f"a {m} round costs {cost:.2g} plain decoding steps here (τ ÷ speedup), so even with every draft "
+                    f"accepted its depth {d} gives at most {(d + 1) / cost:.2g}x")
+    hybrid = _get(ev, "metrics.methods.hybrid") or {}
+    best = (f"; the hybrid method verifies n-gram's continuation inside the drafter's tree (τ {hybrid['tau']:.3g}, "
+            f"{_fmt('', hybrid.get('speedup'))}x here)" if hybrid.get("tau") else "")
+    return ("training longer cannot pass n-gram on this device: " + "; ".join(caps) + f", below n-gram's "
+            f"{s_ngram:.3g}x. Drafting pays where a verify forward costs about one decoding step (a GPU, where the "
+            "weights' bytes bound a step: docs/fast-paths.md); here serve n-gram lookup" + best)
 
 
 def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[list[dict]] = None,
@@ -305,8 +333,10 @@ def next_step(stages: list[dict], run_dir: Path, recipe: dict, found: Optional[l
         return {"stage": name, "state": state, "text": text, "command": None if state == "running" else cmd}
     if found:  # every stage is done, but the figures say the drafter is not worth serving yet
         first = found[0]
-        return {"stage": None, "state": "done", "command": run_all,
-                "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}; then rerun `{run_all}`."}
+        rerun = first.get("rerun", True)
+        return {"stage": None, "state": "done", "command": run_all if rerun else None,
+                "text": f"every stage is complete, but {first['text']}. Next: {first['fix']}"
+                        + (f"; then rerun `{run_all}`." if rerun else ".")}
     cmd, why = serve_command(run_dir, recipe, ev)
     return {"stage": None, "state": "done", "text": f"every stage is complete; serve the drafter{why} with `{cmd}`",
             "command": cmd}
