@@ -78,7 +78,8 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        k_steps = tl.cdiv(K, SPLIT_K * BLOCK_K)  # BLOCK_K steps per split
+        k_steps = (K + SPLIT_K * BLOCK_K - 1) // (SPLIT_K * BLOCK_K)  # BLOCK_K steps per split (not tl.cdiv: the
+        # interpreter, switched on after Triton's import as the tests do, cannot call Triton's own jit functions)
         k_first = pid_k * k_steps * BLOCK_K
         m_ok = offs_m[:, None] < M
         n_ok = offs_n[:, None] < N
@@ -311,13 +312,14 @@ def switched(modules: Sequence[torch.nn.Linear]) -> Iterator[None]:
 VERIFY_GEMMS = ("auto", "cublas", "skinny")
 
 
-def resolve_verify_gemm(requested: str, weight: torch.Tensor, key: str = "evaluate.verify_gemm") -> str:
-    """auto|cublas|skinny -> cublas or skinny for a target whose weights are like `weight`: skinny where
+def resolve_verify_gemm(requested: str, model: torch.nn.Module, key: str = "evaluate.verify_gemm") -> str:
+    """auto|cublas|skinny -> cublas or skinny for `model` (its first matrix's device and dtype): skinny where
     the kernel cannot run is a config error naming why; auto takes skinny where it can, else cublas."""
     if requested not in VERIFY_GEMMS:
         raise DraftsmithError(f"{key} {requested!r}: unknown; use one of {', '.join(VERIFY_GEMMS)}")
     if requested == "cublas":
         return "cublas"
+    weight = next(p for p in model.parameters() if p.dim() == 2)
     why = unavailable(weight.device, weight.dtype)
     if why is None:
         return "skinny"
