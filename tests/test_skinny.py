@@ -99,22 +99,23 @@ def test_fast_target_with_skinny_on_a_cpu_is_a_config_error(tmp_path, no_kernel)
 def interpreted(monkeypatch):
     """The skinny module with its kernels under Triton's interpreter. Triton reads TRITON_INTERPRET
     when it is imported, so these tests run in a process started with it set
-    (test_interpreted_kernel_in_a_child_process starts one); elsewhere they are skipped."""
+    (test_kernel_under_the_interpreter_in_a_child_process starts one); elsewhere they are skipped."""
     if not (HAS_TRITON and skinny.INTERPRET and skinny.triton is not None):
-        pytest.skip("needs Triton and TRITON_INTERPRET=1 at start (test_interpreted_kernel_in_a_child_process)")
+        pytest.skip("needs Triton and TRITON_INTERPRET=1 at start (test_kernel_under_the_interpreter_in_a_child_process)")
     monkeypatch.setattr(skinny, "TUNED", {})
     return skinny
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-def test_interpreted_kernel_in_a_child_process(tmp_path):
+def test_kernel_under_the_interpreter_in_a_child_process(tmp_path):
     """The interpreted tests below, in a pytest process started with TRITON_INTERPRET=1."""
     if skinny.INTERPRET:
         pytest.skip("this process is the interpreted one")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    src = str(Path(skinny.__file__).resolve().parents[2])  # the draftsmith this process imported
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted_",
                         str(Path(__file__)), "--basetemp", str(tmp_path / "child")],
-                       env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+                       env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
