@@ -289,7 +289,11 @@ def linear_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 def _skinny_forward(module: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda x: skinny_linear(x, module.weight, module.bias)
+    """The module's skinny forward, made once and kept on it: the same object at every switch (a compiled
+    region calling the module, evaluate.fast: compile, guards on it and would recompile for a new one)."""
+    if "_skinny_forward" not in module.__dict__:
+        module._skinny_forward = lambda x: skinny_linear(x, module.weight, module.bias)
+    return module._skinny_forward
 
 
 @contextlib.contextmanager
