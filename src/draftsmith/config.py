@@ -390,6 +390,13 @@ class EvaluateConfig:
     transformers with its dynamic KV cache; static = static KV caches; graphs = static caches and
     CUDA graphs; compile = graphs around a torch.compile'd target forward. auto = graphs on a GPU,
     off on a CPU."""
+    verify_gemm: Literal["auto", "cublas", "skinny"] = "cublas"
+    """The target's matmuls of up to 16 rows on a fast path (static/graphs/compile), plain decoding's
+    one-row step and every verify forward alike: cublas = torch's F.linear; skinny = a Triton kernel
+    that reads each weight once whatever the row count, tuned per weight shape at the fast path's start
+    (speculate/skinny.py; a verify row then rounds as the one-row step does); auto = skinny where it
+    runs (CUDA, Triton, bf16/fp16), else cublas. cublas until a GPU measurement shows the gain
+    (`benchmarks/bench_verify_rows.py`); skinny where the kernel cannot run is an error."""
     resident: bool = True
     """true (default): EAGLE-3 (chain or tree, greedy or sampled) on a fast path (static/graphs/compile;
     `fast: auto` on a GPU) runs each round on the device: drafting, tree selection, verification,

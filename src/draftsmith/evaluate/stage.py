@@ -294,7 +294,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     done = {rec["key"]: rec for rec in read_jsonl(partial) if "key" in rec}
 
     target, drafter = load_models(recipe, drafter_dir)
-    runners = DecodeRunners(target, drafter, cfg.fast)
+    runners = DecodeRunners(target, drafter, cfg.fast, cfg.verify_gemm)
     rounds = "; EAGLE-3 rounds on the device" if cfg.resident and runners.mode != "off" else ""
     log(f"[evaluate] decoding path: {runners.mode} (plain decoding and every method alike{rounds})")
     todo, in_training = benchmark_prompts(cfg, run_dir)

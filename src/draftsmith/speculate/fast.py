@@ -36,6 +36,7 @@ from ..target.model import Target, TargetOutput
 from .cache import Graphed, additive, capture, copy_columns, h2d, reseed
 from .hfmodel import (DECODE_ATTENTION, DECODE_ATTENTION_CALLS, compile_regions, decode_attention_configs, fuse_rms_norms,
                       graph_safe_experts, join_rotaries)
+from .skinny import linear_modules, resolve_verify_gemm, switched
 from .tree import committed_columns, device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
@@ -95,7 +96,7 @@ class FastTarget:
     the graph-safe pieces the resident round calls inside its own graph: verify_rows, move_columns."""
 
     def __init__(self, target: Target, mode: str = "graphs", batch_size: int = 1, max_len: int = 2048,
-                 key: str = "evaluate.fast"):
+                 key: str = "evaluate.fast", verify_gemm: str = "cublas"):
         if mode not in MODES[1:]:
             raise ValueError(f"FastTarget mode {mode!r}: one of {MODES[1:]}")
         self.target, self.mode, self.device, self.key = target, mode, target.device, key  # key: the recipe field, for messages
@@ -107,6 +108,10 @@ class FastTarget:
         join_rotaries(target.model)
         if mode == "compile":
             compile_regions(target.model)
+        # evaluate.verify_gemm: every forward here (plain steps and verify rows alike) runs the same matmuls
+        gemm_key = key.split(".")[0] + ".verify_gemm"
+        self.verify_gemm = resolve_verify_gemm(verify_gemm, target.model, gemm_key)
+        self.linears = linear_modules(target.model) if self.verify_gemm == "skinny" else []  # tuned here, before any capture
         self.B = self.S = 0
         self.reallocations = 0
         self.gen: Optional[torch.Generator] = None  # sampled plain decoding draws from it (plain)
@@ -200,7 +205,12 @@ class FastTarget:
         """ids/pos [B, N], past a 0-d tensor (where the N rows are written), mask bool [B, N, W] over
         the cache's first W <= S columns. The attention is decode_attention with the boolean mask,
         over those W columns (attn_configs switched for this forward only: other users of the model
-        keep theirs), else transformers' with an additive mask over all S."""
+        keep theirs), else transformers' with an additive mask over all S. Under verify_gemm skinny the
+        model's linears run speculate/skinny.py's kernel for this forward only."""
+        with switched(self.linears):
+            return self._forward_rows(ids, pos, past, mask)
+
+    def _forward_rows(self, ids, pos, past, mask):
         self.length.copy_(past)
         for layer in self.cache.layers:  # layers of their own length: on another device (device_map)
             if layer.is_initialized and layer.cumulative_length is not self.length:

@@ -26,6 +26,7 @@ from .fast import FastTarget, choose_mode, fast_target_or_none
 from .hybrid import HybridProposer
 from .ngram import NgramProposer
 from .proposer import PerSequence
+from .skinny import resolve_verify_gemm
 from .verify import plain_generate, plain_generate_batch
 
 
@@ -89,11 +90,14 @@ class DecodeRunners:
     """The decode runners every measurement of one evaluate run shares (evaluate.fast), cached per
     batch size: a FastTarget and a FastDraft (static caches, graphs captured once and reused), or
     neither (eager). With `auto`, a target the fast path cannot run (sliding-window layers, a
-    target spread over several GPUs) falls back to eager with a log line; an explicit mode errs."""
+    target spread over several GPUs) falls back to eager with a log line; an explicit mode errs.
+    `verify_gemm` (evaluate.verify_gemm): the FastTargets' matmuls of up to 16 rows, plain and verify alike."""
 
-    def __init__(self, target=None, drafter=None, mode: str = "off"):
-        self.target_model, self.drafter, self.requested = target, drafter, mode
+    def __init__(self, target=None, drafter=None, mode: str = "off", verify_gemm: str = "cublas"):
+        self.target_model, self.drafter, self.requested, self.verify_gemm = target, drafter, mode, verify_gemm
         self.mode = choose_mode(mode, target) if target is not None else "off"
+        if self.mode != "off":  # an explicit skinny that cannot run errs here, not as a fast path unavailable
+            self.verify_gemm = resolve_verify_gemm(verify_gemm, target.model)
         self._by_batch: dict[int, tuple] = {}
 
     def get(self, batch: int) -> tuple[Optional[FastTarget], Optional[FastDraft]]:
@@ -101,7 +105,8 @@ class DecodeRunners:
             return None, None
         if batch not in self._by_batch:
             ft = fast_target_or_none(self.target_model, self.mode, self.requested, "evaluate.fast",
-                                     "eager decoding for plain and every method", batch_size=batch)
+                                     "eager decoding for plain and every method", batch_size=batch,
+                                     verify_gemm=self.verify_gemm)
             if ft is None:
                 self.mode = "off"
                 return None, None
