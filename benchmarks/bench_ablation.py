@@ -218,25 +218,26 @@ def engine_taus(args, recipe_path: str, run_dir: Path, seed: int, flags: list[st
         ev = old if same else None
     if ev is None:
         ev = pipeline.run_stage("evaluate", want, force=complete)
-    methods, eagle = ev["metrics"]["methods"], ("eagle3_chain", "eagle3_tree")
+    eagle = ("eagle3_chain", "eagle3_tree")
     prompts = read_json(stage_dir(run_dir, "evaluate") / "results.json")["prompts"]
-    out = {"tau_chain": methods["eagle3_chain"]["tau"], "tau_tree": methods["eagle3_tree"]["tau"],
-           "speedup_chain": methods["eagle3_chain"]["speedup"], "speedup_tree": methods["eagle3_tree"]["speedup"],
-           "engine_accept_rate": ev["metrics"]["accept_rate_per_position"], "per_turn": per_turn(prompts, eagle),
-           # greedy answers identical to plain decoding's (in bf16 the rest left it at a near-tie: another answer)
-           "identical_to_plain": {m: sum(p["methods"][m].get("lossless") is True for p in prompts) for m in eagle}}
-    if "ngram" in methods:
-        out.update(ngram_tau=methods["ngram"]["tau"], ngram_speedup=methods["ngram"]["speedup"])
-    out["by_temperature"] = by_temperature(ev["metrics"], prompts, eagle)
-    return out
+    by = by_temperature(ev["metrics"], prompts, eagle)
+    # the headline row is the served temperature's (evaluate.temperature): its figures and its turns alone
+    return {**by[served_key(ev["metrics"])], "engine_accept_rate": ev["metrics"]["accept_rate_per_position"],
+            # greedy answers identical to plain decoding's (in bf16 the rest left it at a near-tie: another answer)
+            "identical_to_plain": {m: sum(p["methods"][m].get("lossless") is True for p in prompts) for m in eagle},
+            "by_temperature": by}
+
+
+def served_key(metrics: dict) -> str:
+    """The key of evaluate's served temperature among metrics.by_temperature's (f"{T:g}")."""
+    return f"{float(metrics.get('temperature') or 0):g}"
 
 
 def by_temperature(metrics: dict, prompts: list[dict], eagle) -> dict:
     """{"<T>": {tau_chain, tau_tree, speedup_chain, speedup_tree, [ngram_tau, ngram_speedup,] per_turn}} for
     every temperature the evaluation measured (evaluate.temperatures; one: the evaluation's own), each from
     that temperature's figures and turns (a record names its temperature)."""
-    served = f"{float(metrics.get('temperature') or 0):g}"
-    by = metrics.get("by_temperature") or {served: metrics["methods"]}
+    by = metrics.get("by_temperature") or {served_key(metrics): metrics["methods"]}
     out = {}
     for T, methods in by.items():
         row = {f"{k}_{m.split('_')[-1]}": methods[m][k] for m in eagle if m in methods for k in ("tau", "speedup")}
