@@ -36,8 +36,10 @@ from typing import Collection
 import torch
 
 from draftsmith import pipeline
-from draftsmith.artifacts import (DraftsmithError, atomic_write_json, code_fingerprint, read_json, require_complete, stage_dir,
-                                  to_jsonable, verify_shards)
+from draftsmith.fileio import atomic_write_json, read_json, to_jsonable
+from draftsmith.manifests import code_fingerprint, require_complete, verify_shards
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import stage_dir
 from draftsmith.config import parse_recipe
 from draftsmith.data.conversations import conversation_of
 from draftsmith.evaluate.stage import trained_conversations

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifacts import atomic_write_text
+from draftsmith.fileio import atomic_write_text
 from draftsmith.data.shards import Sample, write_shard
 from draftsmith.target.online import capture_samples
 from draftsmith.target.model import load_target

@@ -70,7 +70,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.config import DraftConfig  # noqa: E402
 from draftsmith.draft.build import drafter_config  # noqa: E402
 from draftsmith.draft.model import Eagle3Drafter  # noqa: E402

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from draftsmith.artifacts import read_json
+from draftsmith.fileio import read_json
 from draftsmith.config import parse_recipe
 from draftsmith.train.data import CaptureIndex
 from draftsmith.data.conversations import conversation_keys

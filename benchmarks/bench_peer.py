@@ -48,8 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_ablation besid
 import bench_ablation as ablation  # noqa: E402
 
 from draftsmith import pipeline  # noqa: E402
-from draftsmith.artifacts import (DraftsmithError, atomic_write_json, read_json, require_complete, stage_dir,  # noqa: E402
-                                  verify_shards)
+from draftsmith.fileio import atomic_write_json, read_json
+from draftsmith.manifests import require_complete, verify_shards
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import stage_dir
 
 # speculators 0.9.0's defaults for `--speculator-type eagle3` (train/config/schema.py: OptimizerArgs,
 # SchedulerArgs, LossArgs, DraftArgs after _resolve_derived_defaults; train/trainer.py: clip 1.0).

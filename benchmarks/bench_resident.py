@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.config import parse_recipe  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline  # noqa: E402

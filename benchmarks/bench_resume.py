@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftsmith import pipeline  # noqa: E402
-from draftsmith.artifacts import atomic_write_json, load_manifest, sha256_file, stage_dir, write_manifest  # noqa: E402
+from draftsmith.fileio import atomic_write_json, sha256_file# noqa: E402
+from draftsmith.manifests import load_manifest, write_manifest
+from draftsmith.rundir import stage_dir
 from draftsmith.config import parse_recipe  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.config import EvaluateConfig, Recipe, TargetConfig  # noqa: E402
 from draftsmith.data.readers import load_prompts  # noqa: E402

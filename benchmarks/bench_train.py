@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from draftsmith.artifacts import atomic_write_json, require_complete, verify_shards
+from draftsmith.fileio import atomic_write_json
+from draftsmith.manifests import require_complete, verify_shards
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.model import Eagle3Config, Eagle3Drafter

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.speculate.cache import capture  # noqa: E402
 from draftsmith.draft.attention import decode_attention, decode_kernel  # noqa: E402
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_engine import CONFIGS, build_drafter, build_target, kernel_profile  # noqa: E402
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.evaluate.costs import measure_step_costs  # noqa: E402
 from draftsmith.speculate import skinny  # noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402

@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from draftsmith.artifacts import atomic_write_text
+from draftsmith.fileio import atomic_write_text
 
 
 def overall(results: dict, method: str) -> dict:

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer, FastDraft  # noqa: E402
 from draftsmith.speculate.engine import generate  # noqa: E402
 from draftsmith.speculate.fast import FastTarget  # noqa: E402

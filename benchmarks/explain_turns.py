@@ -23,7 +23,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.artifacts import DraftsmithError, atomic_write_json, read_json, require_complete, stage_dir
+from draftsmith.fileio import atomic_write_json, read_json
+from draftsmith.manifests import require_complete
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import stage_dir
 from draftsmith.config import parse_recipe
 from draftsmith.evaluate.explain import explain_turn, predictions
 from draftsmith.speculate.methods import load_models

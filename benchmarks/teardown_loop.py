@@ -1,5 +1,5 @@
 """Two-rank gloo teardown, N times in a row, under torchrun on CPU: `--command init` runs a script
-that sets the group up with distributed.init_distributed, all-reduces once and exits without tearing
+that sets the group up with distributed.group.init_distributed, all-reduces once and exits without tearing
 it down (as a benchmark or test calling stages directly does: before distributed._destroy_at_exit,
 5 of 20 such runs aborted here); `train` / `capture` run `draftsmith.cli STAGE --force` (FSDP2 for
 train) on a tiny CPU run (a 4-layer model, 64 conversations, prepared, captured and its vocab built
@@ -28,7 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.testing import make_model_dir  # noqa: E402
 
 ABORT = re.compile(r"terminate called|Aborted|SIGABRT|Signal 6|has NOT been destroyed|destroy_process_group\(\) was not called")
@@ -53,7 +53,7 @@ def tiny_run(root: Path) -> Path:
 
 
 INIT_SCRIPT = """import torch
-from draftsmith.distributed import all_reduce_sum, init_distributed
+from draftsmith.distributed.group import all_reduce_sum, init_distributed
 info = init_distributed("cpu")
 assert all_reduce_sum(torch.ones(4), info).tolist() == [2.0] * 4
 """

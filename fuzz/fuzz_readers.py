@@ -20,7 +20,7 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports():
-    from draftsmith.artifacts import DraftsmithError
+    from draftsmith.messages import DraftsmithError
     from draftsmith.data import readers
 
 MAX_DEPTH = 2000

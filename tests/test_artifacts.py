@@ -16,9 +16,11 @@ from safetensors import safe_open
 
 from draftsmith import pipeline
 from draftsmith.cli import main
-from draftsmith.artifacts import (LEDGER, MANIFEST, DraftsmithError, Ledger, append_jsonl, atomic_save_safetensors,
-                                  atomic_write_json, finish_manifest, is_main_rank, load_manifest, new_manifest, replace_dir, sha256_file,
-                                  stage_dir, temp_dir, write_manifest)
+from draftsmith.distributed.ranks import is_main_rank
+from draftsmith.fileio import append_jsonl, atomic_save_safetensors, atomic_write_json, replace_dir, sha256_file, temp_dir
+from draftsmith.manifests import MANIFEST, finish_manifest, load_manifest, new_manifest, write_manifest
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import LEDGER, Ledger, stage_dir
 from draftsmith.config import Recipe, TargetConfig
 
 # ----------------------------------------------------------------------------- folders
@@ -187,7 +189,7 @@ def test_a_refused_rerun_leaves_a_complete_stage_done(tmp_path, fake_stage, monk
 
     # the run-dir lock, held by another process: refused before any ledger line
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from draftsmith.artifacts import RunLock; l = RunLock(Path(sys.argv[1])); l.__enter__(); "
+                               "from draftsmith.rundir import RunLock; l = RunLock(Path(sys.argv[1])); l.__enter__(); "
                                "print('held', flush=True); time.sleep(60)", str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -302,13 +304,13 @@ def test_pipeline_rank1_waits_for_this_launch_of_a_forced_stage(tmp_path, fake_s
 
 
 def test_temp_names_are_made_in_one_place():
-    """Every temp or set-aside name comes from artifacts.aside_path (so artifacts.is_temp_name, which
+    """Every temp or set-aside name comes from fileio.aside_path (so fileio.is_temp_name, which
     the leftover checks use, knows them all): no other module spells one out with `with_name(f".`."""
-    from draftsmith.artifacts import TEMP_TAGS, aside_path, is_temp_name
+    from draftsmith.fileio import TEMP_TAGS, aside_path, is_temp_name
 
     src = Path(__file__).resolve().parents[1] / "src" / "draftsmith"
     spelled = [str(p.relative_to(src)) for p in src.rglob("*.py")
-               if p.name != "artifacts.py" and 'with_name(f".' in p.read_text(encoding="utf-8")]
+               if p.name != "fileio.py" and 'with_name(f".' in p.read_text(encoding="utf-8")]
     assert not spelled, spelled
     assert all(is_temp_name(aside_path(Path("run/train"), tag, "1-2" if tag.endswith("-") else "").name) for tag in TEMP_TAGS)
     assert not any(map(is_temp_name, ["train", "manifest.json", ".rank-00000.json", ".tmpfile", "x.tmp"]))

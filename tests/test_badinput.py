@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from badinput.cases import CASES, SOURCES, Case, Ctx, base_recipe, doc_section, table
-from draftsmith.artifacts import TEMP_FILE_TAG, TEMP_TAGS, aside_path, is_temp_name, load_manifest, stage_dir, verify_shards
+from draftsmith.fileio import TEMP_FILE_TAG, TEMP_TAGS, aside_path, is_temp_name
+from draftsmith.manifests import load_manifest, verify_shards
+from draftsmith.rundir import stage_dir
 from draftsmith.cli import main
 from draftsmith.testing import make_model_dir
 
@@ -39,12 +41,12 @@ def good_run(tmp_path_factory) -> tuple[Path, Path]:
 
 def leftovers(root: Path) -> list[str]:
     """Temp files or folders of atomic writes, or stage outputs set aside, still lying around:
-    every name artifacts.aside_path makes (artifacts.is_temp_name)."""
+    every name fileio.aside_path makes (fileio.is_temp_name)."""
     return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if is_temp_name(p.name))
 
 
 def test_leftovers_sees_every_temp_name(tmp_path):
-    """The check sees each name the code writes while replacing something (artifacts.TEMP_TAGS:
+    """The check sees each name the code writes while replacing something (fileio.TEMP_TAGS:
     `.NAME.tmp-PID-THREAD`, `.NAME.tmp`, `.NAME.old`, `.STAGE.previous`), not only the first."""
     made = [aside_path(tmp_path / "run" / "train" / "drafter", tag) for tag in TEMP_TAGS]
     made.append(aside_path(tmp_path / "run" / "data" / "manifest.json", TEMP_FILE_TAG, "123-456"))
@@ -177,7 +179,7 @@ def test_fix_hint_commands_run_and_fix_the_run(case_id, good_run, tmp_path, monk
 
 
 def test_rerun_command_quotes_a_path_with_spaces(tmp_path):
-    from draftsmith.artifacts import fix_command, rerun_command
+    from draftsmith.rundir import fix_command, rerun_command
 
     run_dir = tmp_path / "my runs" / "a b"
     cmd = rerun_command("vocab", run_dir)[1:-1]
@@ -189,7 +191,7 @@ def test_rerun_command_quotes_a_path_with_spaces(tmp_path):
     assert fix_command("vocab", run_dir / "vocab" / "vocab.safetensors", then=("train",)) == \
         f"{rerun_command('vocab', run_dir)}, then {rerun_command('train', run_dir)}"
     # a damaged stage folder: the stage its manifest names, only when that is the stage of this folder
-    from draftsmith.artifacts import redo_stage_hint
+    from draftsmith.rundir import redo_stage_hint
 
     assert redo_stage_hint(run_dir / "data", {"stage": "prepare"}).startswith(
         f"redo the stage with {rerun_command('prepare', run_dir)}, then")

@@ -56,7 +56,8 @@ def test_engine_taus_reuses_only_an_evaluation_by_the_same_code_and_config(tmp_p
     figures: H100, 2026-12-06)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_ablation as ab
-    from draftsmith.artifacts import atomic_write_json, code_fingerprint
+    from draftsmith.fileio import atomic_write_json
+    from draftsmith.manifests import code_fingerprint
 
     args = type("A", (), dict(eval_prompts=20, max_new_tokens=96, draft_steps=5, benchmark="mtbench"))()
     run = tmp_path / "run"
@@ -240,7 +241,8 @@ def test_heldout_rows_have_one_shape_and_the_padded_figures(tmp_path, monkeypatc
 
     import draftsmith.train.ttt as ttt
     from draftsmith import pipeline
-    from draftsmith.artifacts import require_complete, stage_dir, verify_shards
+    from draftsmith.manifests import require_complete, verify_shards
+    from draftsmith.rundir import stage_dir
     from draftsmith.draft.io import load_drafter
     from draftsmith.target.model import read_target_embeddings
     from draftsmith.train.data import CaptureIndex
@@ -318,7 +320,7 @@ def test_the_peers_checkpoint_is_reused_only_at_the_same_setting(tmp_path, monke
     settings are this run's; at other epochs (or another capture) the peer trains again."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_peer
-    from draftsmith.artifacts import atomic_write_json
+    from draftsmith.fileio import atomic_write_json
     from draftsmith.config import Recipe, TrainConfig
 
     atomic_write_json(tmp_path / "base" / "capture" / "manifest.json", {"status": "complete", "fingerprint": "cap-1"})
@@ -367,7 +369,7 @@ def test_ablation_variant_links_regen_and_prints_its_temperature(tmp_path, monke
     evaluate.temperature in every variant's flags (the printed commands reproduce the run)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_ablation as ab
-    from draftsmith.artifacts import atomic_write_json
+    from draftsmith.fileio import atomic_write_json
 
     base = tmp_path / "base"
     for d in ("data", "capture", "vocab"):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from draftsmith import cli
-from draftsmith.artifacts import DraftsmithError, Ledger
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import Ledger
 from draftsmith.serve import bench as bench_mod
 from draftsmith.serve.bench import BenchServeConfig, percentiles, run
 from draftsmith.serve.metrics import parse_prometheus, spec_window
@@ -262,7 +263,8 @@ def test_requests_sample_at_the_evaluated_temperature(prompts, tmp_path):
     """Without --temperature the requests sample at the temperature run_dir's evaluate measured at (a
     recipe for a sampling server, recipes/gpu.yaml), greedy without a run or an evaluation; an
     explicit --temperature wins. The temperature used is in results.json."""
-    from draftsmith.artifacts import finish_manifest, new_manifest, stage_dir
+    from draftsmith.manifests import finish_manifest, new_manifest
+    from draftsmith.rundir import stage_dir
 
     run_dir = tmp_path / "run"
     with StubServer(step_s=0.001) as srv:

@@ -18,7 +18,8 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftsmith.artifacts import DraftsmithError, load_manifest
+from draftsmith.manifests import load_manifest
+from draftsmith.messages import DraftsmithError
 from draftsmith.cli import main, parse_recipe
 from draftsmith.data.shards import decode_fp8, decode_hidden, encode_fp8, read_hidden_rows, read_shard, round_to_storage
 from draftsmith.pipeline import run_stage
@@ -293,7 +294,7 @@ def test_a_refused_capture_rerun_leaves_the_complete_capture_done(prepared, refe
     import shutil as sh
 
     from draftsmith import status
-    from draftsmith.artifacts import Ledger
+    from draftsmith.rundir import Ledger
     from draftsmith.target import capture
 
     args = _copy_prepared(prepared, tmp_path)

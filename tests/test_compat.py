@@ -11,7 +11,7 @@ from packaging.version import Version
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, DeepseekV3Config
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.compat import TESTED, check_tokenizers, mtp_layers, mtp_report, require_compatible_tokenizers
 from draftsmith.testing import _SENTENCES, train_tokenizer
 

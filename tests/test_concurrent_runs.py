@@ -22,7 +22,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from draftsmith.artifacts import Ledger, load_manifest, verify_shards
+from draftsmith.manifests import load_manifest, verify_shards
+from draftsmith.rundir import Ledger
 from draftsmith.status import collect
 
 ROOT = Path(__file__).resolve().parents[1]

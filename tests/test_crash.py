@@ -24,7 +24,8 @@ from typing import Callable
 import pytest
 import yaml
 
-from draftsmith.artifacts import Ledger, load_manifest, verify_shards, write_manifest
+from draftsmith.manifests import load_manifest, verify_shards, write_manifest
+from draftsmith.rundir import Ledger
 from draftsmith.cli import main
 from draftsmith.data.shards import read_shard
 from draftsmith.testing import make_model_dir

@@ -17,10 +17,11 @@ import torch.multiprocessing as mp
 
 import draftsmith.train.loop as loop
 from draftsmith import cli
-from draftsmith.artifacts import load_manifest, read_json, read_jsonl
+from draftsmith.fileio import read_json, read_jsonl
+from draftsmith.manifests import load_manifest
 from draftsmith.draft.io import load_drafter
 from draftsmith.testing import make_model_dir
-from draftsmith.distributed import destroy_distributed
+from draftsmith.distributed.group import destroy_distributed
 from test_pipeline import write_recipe
 from test_train import losses, make_run, toy_samples
 
@@ -258,7 +259,7 @@ def test_cli_command_on_one_process_needs_no_group(tmp_path):
 def test_a_group_set_up_before_the_command_is_left_to_its_owner(tmp_path):
     """process_group_scope tears down only a group that came up inside it: a caller's own group
     (here a 1-rank gloo group) is still up after the scope, after an error too."""
-    from draftsmith.distributed import process_group_scope
+    from draftsmith.distributed.group import process_group_scope
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -280,8 +281,8 @@ def test_a_failed_end_of_command_barrier_is_a_one_line_error(monkeypatch):
     """The barrier at a command's end fails when another rank died: a DraftsmithError (the CLI's
     one-line error, exit 2), not a traceback; after an error of the command itself that error is
     the one raised, and the group is torn down either way."""
-    from draftsmith import distributed
-    from draftsmith.artifacts import DraftsmithError
+    from draftsmith.distributed import group as distributed
+    from draftsmith.messages import DraftsmithError
 
     state = {"up": False, "destroyed": 0}
 

@@ -9,7 +9,7 @@ import time
 import yaml
 
 from draftsmith import doctor
-from draftsmith.artifacts import Ledger, process_cmdline, process_start_time
+from draftsmith.rundir import Ledger, process_cmdline, process_start_time
 from draftsmith.cli import main
 from draftsmith.testing import make_model_dir
 

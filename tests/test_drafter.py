@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import default_intermediate_size, drafter_config, init_drafter, rope_settings
 from draftsmith.draft.io import load_drafter, save_drafter

@@ -10,7 +10,10 @@ import torch
 from draftsmith import pipeline
 from draftsmith.evaluate import measure, stage
 from draftsmith.speculate import methods
-from draftsmith.artifacts import DraftsmithError, Ledger, load_manifest, new_manifest, finish_manifest, read_json
+from draftsmith.fileio import read_json
+from draftsmith.manifests import load_manifest, new_manifest, finish_manifest
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import Ledger
 from draftsmith.config import DraftConfig, EvaluateConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.io import save_drafter
@@ -368,7 +371,7 @@ def test_bench_resident_smoke(recipe, tmp_path, temperature):
 
     import yaml
 
-    from draftsmith.artifacts import to_jsonable
+    from draftsmith.fileio import to_jsonable
 
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(to_jsonable(recipe)))
@@ -399,7 +402,7 @@ def test_prompts_past_the_targets_positions_are_refused_and_counted(tmp_path):
 
     import yaml
 
-    from draftsmith.artifacts import load_manifest
+    from draftsmith.manifests import load_manifest
     from draftsmith.cli import main
     from draftsmith.testing import make_model_dir
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from draftsmith import pipeline
-from draftsmith.artifacts import atomic_write_json, finish_manifest, new_manifest, read_json
+from draftsmith.fileio import atomic_write_json, read_json
+from draftsmith.manifests import finish_manifest, new_manifest
 from draftsmith.config import EvaluateConfig, Recipe, TargetConfig
 from draftsmith.draft.io import save_drafter
 from draftsmith.target.model import load_target

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import pipeline
-from draftsmith.artifacts import DraftsmithError, finish_manifest, new_manifest
+from draftsmith.manifests import finish_manifest, new_manifest
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import DraftConfig, ExportConfig, Recipe, TargetConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.io import save_drafter

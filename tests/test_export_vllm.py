@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config, init_drafter
 from draftsmith.draft.io import save_drafter

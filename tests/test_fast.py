@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.proposer import PerSequence

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.speculate.engine import speculative_generate
 from draftsmith.speculate.verify import plain_generate
 from draftsmith.speculate.independent import IndependentDraftProposer, load_draft_model

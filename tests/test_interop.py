@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith import pipeline
-from draftsmith.artifacts import DraftsmithError, sha256_file
+from draftsmith.fileio import sha256_file
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import ExportConfig, Recipe, TargetConfig
 from draftsmith.draft.io import load_drafter
 from draftsmith.export.importer import import_drafter

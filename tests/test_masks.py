@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.data.template import content_spans, render, render_with_mask
 from draftsmith.testing import CHAT_TEMPLATE, SPECIAL_TOKENS
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 import yaml
 
-from draftsmith.artifacts import DraftsmithError, load_manifest
+from draftsmith.manifests import load_manifest
+from draftsmith.messages import DraftsmithError
 from draftsmith.cli import parse_recipe
 from draftsmith.data.shards import read_shard
 from draftsmith.draft.build import drafter_config, init_drafter

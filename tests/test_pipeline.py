@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.artifacts import Ledger, load_manifest
+from draftsmith.manifests import load_manifest
+from draftsmith.rundir import Ledger
 from draftsmith.cli import main
 from draftsmith.status import collect
 from draftsmith.testing import make_model_dir
@@ -319,7 +320,7 @@ def test_a_killed_replacement_gives_the_old_output_back(tmp_path, target):
 
 LOCK_HOLDER = """
 import sys, time
-from draftsmith.artifacts import RunLock
+from draftsmith.rundir import RunLock
 with RunLock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(float(sys.argv[2]))

@@ -129,7 +129,7 @@ def test_plan_cli_and_run_dir(tmp_path, capsys):
     assert 1.0 < best1["speedup"] < 2.0  # the honest answer for this machine (docs/planner.md)
 
     # A run dir with an eval manifest: acceptance and measured step costs come from it.
-    from draftsmith.artifacts import finish_manifest, new_manifest
+    from draftsmith.manifests import finish_manifest, new_manifest
 
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)

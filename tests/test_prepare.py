@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.artifacts import DraftsmithError, load_manifest
+from draftsmith.manifests import load_manifest
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import PrepareConfig, Recipe, TargetConfig
 from draftsmith.data import prepare
 from draftsmith.data.readers import ReadStats, read_conversations

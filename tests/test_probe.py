@@ -6,7 +6,7 @@ import json
 import yaml
 
 from draftsmith import probe
-from draftsmith.artifacts import Ledger
+from draftsmith.rundir import Ledger
 from draftsmith.cli import main
 from draftsmith.testing import make_model_dir
 

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.artifacts import DraftsmithError, safe_join
+from draftsmith.manifests import safe_join
+from draftsmith.messages import DraftsmithError
 from draftsmith.data.readers import ReadStats, read_conversations
 from draftsmith.data.shards import Sample, read_shard, write_shard
 from draftsmith.data.shards import length_batches

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.data import readers
 from draftsmith.data.readers import (DEFAULT_ROLE_MAP, ReadStats, load_prompts, normalize, read_conversations,
                                      resolve_source)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import parse_recipe
 from draftsmith.pipeline import target_fingerprint, write_recipe
 

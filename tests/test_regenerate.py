@@ -11,7 +11,9 @@ import pytest
 import torch
 import yaml
 
-from draftsmith.artifacts import DraftsmithError, Ledger, load_manifest, write_manifest
+from draftsmith.manifests import load_manifest, write_manifest
+from draftsmith.messages import DraftsmithError
+from draftsmith.rundir import Ledger
 from draftsmith.cli import main, parse_recipe
 from draftsmith.data import regenerate
 from draftsmith.data.regenerate import read_errors

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import DraftConfig
 from draftsmith.draft.build import drafter_config
 from draftsmith.draft.model import DraftKVCache, Eagle3Drafter

@@ -15,7 +15,8 @@ import yaml
 
 from draftsmith import config as config_module
 from draftsmith.data import regenerate
-from draftsmith.artifacts import DraftsmithError, verify_shards
+from draftsmith.manifests import verify_shards
+from draftsmith.messages import DraftsmithError
 from draftsmith.testing import make_model_dir
 
 SRC = Path(__file__).parent.parent / "src" / "draftsmith"

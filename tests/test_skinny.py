@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.speculate import skinny
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.fast import FastTarget

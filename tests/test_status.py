@@ -8,7 +8,9 @@ import subprocess
 import yaml
 
 from draftsmith import status
-from draftsmith.artifacts import Ledger, finish_manifest, new_manifest, stage_dir, to_jsonable, write_manifest
+from draftsmith.fileio import to_jsonable
+from draftsmith.manifests import finish_manifest, new_manifest, write_manifest
+from draftsmith.rundir import Ledger, stage_dir
 from draftsmith.cli import main
 from draftsmith.config import Recipe
 

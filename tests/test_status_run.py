@@ -6,7 +6,7 @@ import json
 import yaml
 
 from draftsmith import status
-from draftsmith.artifacts import load_manifest
+from draftsmith.manifests import load_manifest
 from draftsmith.cli import main
 from draftsmith.testing import make_model_dir
 

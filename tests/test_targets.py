@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from draftsmith.artifacts import DraftsmithError
+from draftsmith.messages import DraftsmithError
 from draftsmith.data.shards import Sample
 from draftsmith.target.online import capture_samples
 from draftsmith.target.model import load_target

@@ -8,7 +8,9 @@ from safetensors.torch import load_file, save_file
 
 import draftsmith.train.loop as loop
 from draftsmith import vocab
-from draftsmith.artifacts import DraftsmithError, finish_manifest, new_manifest, read_json, write_manifest
+from draftsmith.fileio import read_json
+from draftsmith.manifests import finish_manifest, new_manifest, write_manifest
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import Recipe, TargetConfig, TrainConfig, VocabConfig
 from draftsmith.data.shards import Sample, write_shard
 from draftsmith.draft.io import load_drafter
@@ -231,7 +233,8 @@ def test_a_larger_budget_continues_a_budget_stopped_run(tmp_path, target_dir):
     the budget is raised (no retraining from step 0), downstream stages see a new drafter, and a
     budget it already fits is no reason to rerun."""
     from draftsmith import pipeline
-    from draftsmith.artifacts import Ledger, load_manifest
+    from draftsmith.manifests import load_manifest
+    from draftsmith.rundir import Ledger
 
     recipe, run_dir = make_run(tmp_path, target_dir, toy_samples(target_dir, n=40), max_steps=4, max_minutes=1e-9,
                                save_every=100, heldout_engine_prompts=0)

@@ -2,7 +2,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.artifacts import DraftsmithError, finish_manifest, new_manifest, read_json, write_manifest
+from draftsmith.fileio import read_json
+from draftsmith.manifests import finish_manifest, new_manifest, write_manifest
+from draftsmith.messages import DraftsmithError
 from draftsmith.config import Recipe, TargetConfig, VocabConfig
 from draftsmith.testing import tiny_config
 from draftsmith.draft.vocab import draft_ids, load_vocab

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .artifacts import DraftsmithError, is_main_rank
+from .distributed.ranks import is_main_rank
+from .messages import DraftsmithError
 from .config import STAGES, parse_recipe, recipe_parser
 
 RUN_HELP = "every stage in order (skips complete stages, resumes a half-done one)"
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         if command not in (*RECIPE_COMMANDS, "-h", "--help", "help"):
             raise DraftsmithError(f"unknown command {command!r}; choose one of {', '.join((*RECIPE_COMMANDS, *TOOL_HELP))}")
         # why here: the stage table imports every stage, and with them torch (~1.5 s)
-        from . import distributed, pipeline, status
+        from . import pipeline, status
+        from .distributed import group as distributed
 
         stage_help = {name: stage.help for name, stage in pipeline.STAGE_TABLE.items()}
         if command in ("-h", "--help", "help"):

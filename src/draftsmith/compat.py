@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from safetensors import safe_open
 
-from .artifacts import DraftsmithError
+from .messages import DraftsmithError
 
 TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.25")}
 """Versions draftsmith's tests ran with: (lowest, highest). CPU CI (.ci/run) runs the whole suite on

@@ -22,7 +22,7 @@ from typing import Literal, Optional, Union
 import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
-from .artifacts import DraftsmithError
+from .messages import DraftsmithError
 
 
 @dataclass

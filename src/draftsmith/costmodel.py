@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, Union
 
-from .artifacts import DraftsmithError, read_json
+from .fileio import read_json
+from .messages import DraftsmithError
 from .compat import mtp_layers
 
 

@@ -28,13 +28,14 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
-from .artifacts import (DraftsmithError, Ledger, load_manifest, process_cmdline, process_start_time, relative_hint,
-                        stage_dir)
+from .manifests import load_manifest
+from .messages import DraftsmithError
+from .rundir import Ledger, process_cmdline, process_start_time, relative_hint, stage_dir
 from .compat import TESTED
 from .config import parse_recipe
 from .costmodel import drafter_params, target_spec
 from .data.shards import bytes_per_token
-from .distributed import resolve_device
+from .distributed.group import resolve_device
 
 ICON = {"ok": "✅", "warn": "⚠️ ", "fail": "❌", "info": "ℹ️ "}
 

@@ -5,13 +5,13 @@ Each stage is a function `run(recipe, run_dir, fp) -> manifest`. A stage's finge
 covers its own config section (less the keys its table entry lists as unfingerprinted:
 logging cadence, side measurements; and keys added later, while at their default, so a stage
 completed before a key existed stays complete), the target, and the output fingerprints of the stages it
-reads (artifacts.output_fingerprint); a complete manifest with the same fingerprint means the
+reads (manifests.output_fingerprint); a complete manifest with the same fingerprint means the
 stage is skipped, unless the table entry's `revisit` says the recipe asks for more (train under a
 larger train.max_minutes: it continues from its checkpoint) or for less (it starts over). A stage whose
 manifest says `running` with the same fingerprint resumes from what it listed; one with
 another fingerprint starts over in a clean folder.
 
-Under torchrun only rank 0 writes the ledger, the manifests and recipe.yaml (artifacts.is_main_rank).
+Under torchrun only rank 0 writes the ledger, the manifests and recipe.yaml (distributed.ranks.is_main_rank).
 The distributed stages (the table's `distributed`: capture, train) run on every rank; the other
 ranks read rank 0's manifests to skip or resume, and after the stage wait until rank 0's ledger says
 it finished (or skipped) the stage in this launch, then read its complete manifest. The other stages
@@ -32,10 +32,11 @@ from typing import Any, Optional
 
 import yaml
 
-from .artifacts import (MANIFEST, PREVIOUS_DIR_TAG, RECIPE_FILE, DraftsmithError, Ledger, RunLock, aside_path, atomic_write_bytes,
-                        atomic_write_text, fingerprint, is_main_rank, load_manifest, log,
-                        output_fingerprint, process_cmdline, process_rank, process_start_time, process_started_at,
-                        relative_hint, rerun_command, stage_dir, to_jsonable)
+from .distributed.ranks import is_main_rank, process_rank
+from .fileio import PREVIOUS_DIR_TAG, aside_path, atomic_write_bytes, atomic_write_text, to_jsonable
+from .manifests import MANIFEST, fingerprint, load_manifest, output_fingerprint
+from .messages import DraftsmithError, log
+from .rundir import RECIPE_FILE, Ledger, RunLock, process_cmdline, process_start_time, process_started_at, relative_hint, rerun_command, stage_dir
 from .config import Recipe
 from .stages import STAGE_TABLE
 
@@ -205,7 +206,7 @@ def run_stage(stage: str, recipe: Recipe, force: bool = False, wait_lock: bool =
 
     A complete output that this run replaces (other inputs, or --force) is set aside as
     RUN_DIR/.STAGE.previous, not deleted: it comes back if the new run fails or is interrupted,
-    and goes only when the new run has succeeded. The run directory is locked (artifacts.RunLock)
+    and goes only when the new run has succeeded. The run directory is locked (rundir.RunLock)
     from here to the end of the stage."""
     run_dir = Path(recipe.run_dir)
     _check_run_dir(run_dir)

@@ -26,7 +26,10 @@ from typing import Optional, Sequence, Union
 
 import yaml
 
-from .artifacts import RECIPE_FILE, DraftsmithError, atomic_write_json, load_manifest, read_json, stage_dir
+from .fileio import atomic_write_json, read_json
+from .manifests import load_manifest
+from .messages import DraftsmithError
+from .rundir import RECIPE_FILE, stage_dir
 from .config import cli_parser
 from .costmodel import HARDWARE, MeasuredCost, RooflineCost, StepCost, drafter_params, expected_tokens, target_spec
 

@@ -24,8 +24,10 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from .artifacts import (DraftsmithError, Ledger, atomic_write_json, atomic_write_text, log, require_complete, stage_dir,
-                        verify_shards)
+from .fileio import atomic_write_json, atomic_write_text
+from .manifests import require_complete, verify_shards
+from .messages import DraftsmithError, log
+from .rundir import Ledger, stage_dir
 from .config import field_docs, parse_recipe
 from .data.conversations import conversation_keys
 from .data.shards import iter_samples

@@ -3,7 +3,7 @@ know of it, each declared by the stage's own module: the config sections its fin
 and the stages whose output it reads (`inputs` where the recipe changes them), the keys left out,
 when it is skipped, an extra fingerprint input, a partial output a rerun resumes. The pipeline
 runs it in this order and names no stage itself; the CLI lists it. A stage takes its inputs from
-the run directory (artifacts.py), never from here.
+the run directory (manifests.py, rundir.py), never from here.
 
     prepare ─▶ regenerate (optional) ─▶ capture ─┐
                                       └▶ vocab ───┴▶ train ─▶ evaluate

@@ -28,8 +28,10 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from .artifacts import (RECIPE_FILE, DraftsmithError, LEDGER, Ledger, atomic_write_text, load_manifest, stage_command,
-                        stage_dir)
+from .fileio import atomic_write_text
+from .manifests import load_manifest
+from .messages import DraftsmithError
+from .rundir import RECIPE_FILE, LEDGER, Ledger, stage_command, stage_dir
 from .compat import TESTED, mtp_layers
 from .config import STAGES
 from .costmodel import target_spec, text_config_dict

@@ -18,8 +18,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, log, new_manifest,
-                        require_complete, rerun_command, stage_dir, token_stage, verify_listed_file, write_manifest)
+from .fileio import atomic_save_safetensors
+from .manifests import finish_manifest, new_manifest, require_complete, verify_listed_file, write_manifest
+from .messages import DraftsmithError, log
+from .rundir import RECIPE_FILE, rerun_command, stage_dir, token_stage
 from .config import Recipe, check_recipe
 from .draft.vocab import VOCAB_FILE, draft_ids
 from .target.model import read_text_config

@@ -181,7 +181,7 @@ def _rewrite_capture(c: Ctx, poison: Callable[[Any], None]) -> None:
     checksums: bad values that a stage wrote itself, not a corrupt file."""
     from safetensors.torch import load_file
 
-    from draftsmith.artifacts import atomic_save_safetensors
+    from draftsmith.fileio import atomic_save_safetensors
 
     m = json.loads((c.run_dir / "capture" / "manifest.json").read_text())
     for entry in m["shards"]:
@@ -197,7 +197,7 @@ def _rewrite_vocab(c: Ctx, edit: Callable[[dict], None]) -> None:
     a vocab that is wrong inside, not a corrupt file."""
     from safetensors.torch import load_file
 
-    from draftsmith.artifacts import atomic_save_safetensors
+    from draftsmith.fileio import atomic_save_safetensors
 
     p = c.run_dir / "vocab" / "vocab.safetensors"
     t = load_file(str(p))

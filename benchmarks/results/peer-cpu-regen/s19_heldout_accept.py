@@ -5,7 +5,7 @@ sys.path.insert(0, "benchmarks")
 import bench_ablation as ab
 from draftsmith import pipeline
 from draftsmith.draft.io import load_drafter
-from draftsmith.artifacts import stage_dir
+from draftsmith.rundir import stage_dir
 O = "--train.batch_tokens 1024 --train.optimizer muon --train.lr 0.003 --train.epochs 4 --evaluate.temperature 1.0".split()
 out = {}
 for name, flags, old in (("m3e4", O, "m3_e4_samp1_s0.json"), ("m3e4t05", O + ["--train.ttt_target_temperature", "0.5"], "m3_e4_temp05_samp1_s0.json")):

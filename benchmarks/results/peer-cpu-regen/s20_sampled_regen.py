@@ -10,7 +10,8 @@ import torch
 sys.path.insert(0, "benchmarks")
 import bench_ablation as ab
 from draftsmith import pipeline
-from draftsmith.artifacts import read_json, stage_dir
+from draftsmith.fileio import read_json
+from draftsmith.rundir import stage_dir
 from draftsmith.draft.io import load_drafter
 R, LAB = "benchmarks/recipes/lab_regen.yaml", Path("runs/lab")
 O = "--train.batch_tokens 1024 --train.optimizer muon --train.lr 0.003 --train.epochs 4".split()

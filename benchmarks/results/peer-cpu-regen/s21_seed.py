@@ -12,7 +12,8 @@ from pathlib import Path
 
 import bench_ablation as ab
 from draftsmith import pipeline
-from draftsmith.artifacts import read_json, stage_dir
+from draftsmith.fileio import read_json
+from draftsmith.rundir import stage_dir
 from draftsmith.draft.io import load_drafter
 
 R, LAB = "benchmarks/recipes/lab_regen.yaml", Path("runs/lab")

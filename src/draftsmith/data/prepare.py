@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (RECIPE_FILE, DraftsmithError, atomic_save_safetensors, finish_manifest, fingerprint_path, load_manifest,
-                         log, new_manifest, remove_temp_files, sha256_file, stage_dir, verify_shards, write_manifest)
+from ..fileio import atomic_save_safetensors, remove_temp_files, sha256_file
+from ..manifests import finish_manifest, fingerprint_path, load_manifest, new_manifest, verify_shards, write_manifest
+from ..messages import DraftsmithError, log
+from ..rundir import RECIPE_FILE, stage_dir
 from ..config import PrepareConfig, Recipe, check_recipe
 from ..target.model import load_tokenizer
 from .readers import SKIP_REASONS, ReadStats, read_conversations, resolve_source

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from ..artifacts import DraftsmithError, log, relative_hint
+from ..messages import DraftsmithError, log
+from ..rundir import relative_hint
 
 ROLES = ("system", "user", "assistant")
 DEFAULT_ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",

@@ -41,9 +41,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, atomic_save_safetensors, atomic_write_bytes, atomic_write_text, finish_manifest,
-                         load_manifest, log, new_manifest, remove_temp_files, require_complete, rerun_command, stage_dir,
-                         to_jsonable, verify_shards, write_manifest)
+from ..fileio import atomic_save_safetensors, atomic_write_bytes, atomic_write_text, remove_temp_files, to_jsonable
+from ..manifests import finish_manifest, load_manifest, new_manifest, require_complete, verify_shards, write_manifest
+from ..messages import DraftsmithError, log
+from ..rundir import rerun_command, stage_dir
 from ..config import Recipe, RegenerateConfig
 from ..speculate.cache import seeded_generator
 from ..speculate.fast import choose_mode, fast_target_or_none

@@ -27,7 +27,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from ..artifacts import DraftsmithError, atomic_save_safetensors, load_manifest, redo_stage_hint
+from ..fileio import atomic_save_safetensors
+from ..manifests import load_manifest
+from ..messages import DraftsmithError
+from ..rundir import redo_stage_hint
 
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -140,7 +143,7 @@ def write_shard(path: str | Path, samples: Sequence[Sample], metadata: Optional[
 
 
 def _redo(shard: str | Path) -> str:
-    """The fix for a damaged shard: the command that redoes the stage of its folder (artifacts.redo_stage_hint)."""
+    """The fix for a damaged shard: the command that redoes the stage of its folder (rundir.redo_stage_hint)."""
     folder = Path(shard).parent
     try:
         manifest = load_manifest(folder)

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 
 
 @dataclass

@@ -14,7 +14,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..artifacts import DraftsmithError, fix_command
+from ..messages import DraftsmithError
+from ..rundir import fix_command
 from ..config import DraftConfig
 from .model import Eagle3Config, Eagle3Drafter
 

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, read_json
+from ..fileio import atomic_save_safetensors, atomic_write_json, read_json
+from ..messages import DraftsmithError
 from .model import Eagle3Config, Eagle3Drafter
 
 

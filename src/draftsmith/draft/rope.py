@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 

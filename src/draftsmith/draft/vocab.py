@@ -11,7 +11,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..artifacts import DraftsmithError, fix_command, verify_listed_file
+from ..manifests import verify_listed_file
+from ..messages import DraftsmithError
+from ..rundir import fix_command
 
 VOCAB_FILE = "vocab.safetensors"
 

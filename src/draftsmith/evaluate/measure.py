@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 from ..config import SPEC_METHODS, check_methods as check_method_names
 from ..speculate.cache import CAPTURES, seeded_generator
 from ..speculate.methods import EAGER_RUNNERS, DecodeRunners, decode, decode_plain

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text,
-                         finish_manifest, load_manifest, log, new_manifest, read_jsonl, require_complete, sha256_file,
-                         stage_dir, verify_shards, write_manifest)
+from ..fileio import append_jsonl, atomic_write_bytes, atomic_write_json, atomic_write_text, read_jsonl, sha256_file
+from ..manifests import finish_manifest, load_manifest, new_manifest, require_complete, verify_shards, write_manifest
+from ..messages import DraftsmithError, log
+from ..rundir import RECIPE_FILE, stage_dir
 from ..config import EvaluateConfig, Recipe, check_recipe
 from ..data.conversations import conversation_keys, conversation_of
 from ..data.readers import Prompt, load_prompts, resolve_source

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..artifacts import RECIPE_FILE, finish_manifest, log, new_manifest, require_complete, sha256_file, write_manifest
+from ..fileio import sha256_file
+from ..manifests import finish_manifest, new_manifest, require_complete, write_manifest
+from ..messages import log
+from ..rundir import RECIPE_FILE
 from ..config import Recipe, check_recipe
 from ..draft.io import read_drafter_config
 from .sglang import export_sglang

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError, fix_command
+from ..messages import DraftsmithError
+from ..rundir import fix_command
 from ..draft.build import rope_settings
 from ..draft.model import Eagle3Config
 

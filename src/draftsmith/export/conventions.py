@@ -14,7 +14,7 @@ state). SGLang: see export/sglang.py.
 """
 from __future__ import annotations
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 
 
 def to_vllm(internal_ids: list[int]) -> list[int]:

@@ -27,7 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..artifacts import DraftsmithError, finish_manifest, log, new_manifest, read_json, sha256_file
+from ..fileio import read_json, sha256_file
+from ..manifests import finish_manifest, new_manifest
+from ..messages import DraftsmithError, log
 from ..draft.build import rope_settings
 from ..draft.io import drafter_shapes, save_drafter, state_dict_mismatch
 from ..draft.model import Eagle3Config, Eagle3Drafter

@@ -30,7 +30,8 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError, atomic_save_safetensors, atomic_write_json, replace_dir, sha256_file, temp_dir
+from ..fileio import atomic_save_safetensors, atomic_write_json, replace_dir, sha256_file, temp_dir
+from ..messages import DraftsmithError
 from ..draft.io import load_drafter, state_dict_mismatch
 from ..draft.model import Eagle3Config, Eagle3Drafter
 from ..target.model import read_text_config

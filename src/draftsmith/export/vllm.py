@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from ..artifacts import DraftsmithError, read_json
+from ..fileio import read_json
+from ..messages import DraftsmithError
 from ..draft.io import load_drafter
 from ..draft.model import Eagle3Config, Eagle3Drafter
 from .checks import check_target

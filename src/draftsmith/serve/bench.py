@@ -35,8 +35,10 @@ from urllib.parse import urlsplit, urlunsplit
 from jsonargparse import ActionConfigFile
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, Ledger, atomic_write_bytes, atomic_write_json, load_manifest, log, package_versions,
-                         stage_dir, to_jsonable)
+from ..fileio import atomic_write_bytes, atomic_write_json, to_jsonable
+from ..manifests import load_manifest, package_versions
+from ..messages import DraftsmithError, log
+from ..rundir import Ledger, stage_dir
 from ..config import cli_parser
 from ..data.readers import load_prompts
 from .metrics import parse_prometheus, spec_window

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..artifacts import DraftsmithError, log
+from ..messages import DraftsmithError, log
 from ..draft.model import DraftKVCache
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..artifacts import DraftsmithError, log
+from ..messages import DraftsmithError, log
 from ..target.model import Target, TargetOutput
 from .cache import Graphed, additive, capture, copy_columns, h2d, reseed
 from .hfmodel import (DECODE_ATTENTION, DECODE_ATTENTION_CALLS, compile_regions, decode_attention_configs, fuse_rms_norms,

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..artifacts import log
+from ..messages import log
 from ..draft.attention import decode_attention
 
 

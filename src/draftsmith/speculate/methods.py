@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 from ..config import Recipe
 from ..draft.io import load_drafter, read_drafter_config
 from ..target.model import load_target

@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..artifacts import DraftsmithError, log
+from ..messages import DraftsmithError, log
 
 MAX_ROWS = 16
 """Rows the kernel takes (x padded to them); more rows go to F.linear (prefills, large batches)."""

@@ -20,11 +20,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..artifacts import (DraftsmithError, atomic_write_json, checksum_matches, file_stamp, finish_manifest, load_manifest, log,
-                         new_manifest, remove_temp_files, require_complete, rerun_command, safe_join, stage_dir, token_stage,
-                         verify_shards, write_manifest)
+from ..fileio import atomic_write_json, checksum_matches, file_stamp, remove_temp_files
+from ..manifests import finish_manifest, load_manifest, new_manifest, require_complete, safe_join, verify_shards, write_manifest
+from ..messages import DraftsmithError, log
+from ..rundir import rerun_command, stage_dir, token_stage
 from ..config import Recipe
-from ..distributed import barrier, from_rank0, init_distributed, rank_device
+from ..distributed.group import barrier, from_rank0, init_distributed, rank_device
 from ..data.shards import bytes_per_token, read_shard, write_shard
 from .model import load_target
 from .online import capture_samples
@@ -53,7 +54,7 @@ def _drop_damaged(out_dir: Path, entries: dict[str, dict], m: dict) -> None:
     """Unlist (from `entries`, the manifest and every rank file) and delete the listed shards whose
     file is missing or does not match its sha256, so this run captures them again instead of
     marking a capture complete over them. A shard whose size and mtime_ns are those stamped when its
-    checksum was computed (manifest `verified`) is not hashed again (artifacts.checksum_matches):
+    checksum was computed (manifest `verified`) is not hashed again (fileio.checksum_matches):
     resuming a complete capture costs milliseconds, not a read of every byte."""
     verified = m.setdefault("verified", {})
     bad = [n for n, e in entries.items() if not checksum_matches(safe_join(out_dir, n), str(e.get("sha256")), verified)]
@@ -170,7 +171,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             if pending is not None:
                 record(*pending)
             # The metadata: the stage, and write_shard adds the samples' source ids (keys written sorted,
-            # artifacts.atomic_save_safetensors, so a rerun's shard is byte-identical).
+            # fileio.atomic_save_safetensors, so a rerun's shard is byte-identical).
             pending = (writer.submit(write_shard, out_dir / path.name, good, metadata={"stage": "capture"},
                                      storage_dtype=cfg.storage_dtype), rejected)
         if pending is not None:

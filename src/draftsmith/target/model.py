@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError, relative_hint
+from ..messages import DraftsmithError
+from ..rundir import relative_hint
 from ..compat import cache_kwargs, output_cache
-from ..distributed import resolve_device
+from ..distributed.group import resolve_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 from ..data.batch import Batch, collate
 from ..data.shards import STORAGE_DTYPES, Sample, length_batches, round_to_storage
 from .model import Target

@@ -30,8 +30,9 @@ from typing import Any, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError, atomic_write_json, atomic_write_text, read_json, replace_dir, sha256_file, temp_dir
-from ..distributed import DistInfo, barrier
+from ..fileio import atomic_write_json, atomic_write_text, read_json, replace_dir, sha256_file, temp_dir
+from ..messages import DraftsmithError
+from ..distributed.group import DistInfo, barrier
 
 KEEP = 2
 LATEST = "latest"

@@ -39,7 +39,8 @@ from typing import Any, Callable, Literal, Optional, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..artifacts import DraftsmithError, fix_command
+from ..messages import DraftsmithError
+from ..rundir import fix_command
 from ..config import Recipe
 from ..data.batch import Batch, empty_batch
 from ..data.shards import Sample, length_batches, read_hidden_rows, read_shard, source_ids

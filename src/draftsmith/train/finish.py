@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import atomic_write_json, finish_manifest, fingerprint, log, replace_dir, sha256_file, temp_dir
-from ..distributed import DistInfo, barrier, is_sharded
+from ..fileio import atomic_write_json, replace_dir, sha256_file, temp_dir
+from ..manifests import finish_manifest, fingerprint
+from ..messages import log
+from ..distributed.group import DistInfo, barrier, is_sharded
 from ..draft.io import save_drafter
 from ..draft.model import Eagle3Drafter
 from .heldout import engine_prompts, engine_record, heldout_record

@@ -26,7 +26,7 @@ from typing import Hashable, Optional, Sequence, Union
 
 import torch
 
-from ..artifacts import DraftsmithError
+from ..messages import DraftsmithError
 from ..config import Recipe, heldout_sample_temperature
 from ..draft.io import load_drafter
 from ..speculate.methods import decode, load_models, prompt_budget

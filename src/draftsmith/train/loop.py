@@ -51,11 +51,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..artifacts import (RECIPE_FILE, DraftsmithError, append_jsonl, atomic_write_bytes, load_manifest, log, new_manifest,
-                         read_jsonl, remove_temp_files, require_complete, rerun_command, stage_dir, to_jsonable, verify_shards,
-                         write_manifest)
+from ..fileio import append_jsonl, atomic_write_bytes, read_jsonl, remove_temp_files, to_jsonable
+from ..manifests import load_manifest, new_manifest, require_complete, verify_shards, write_manifest
+from ..messages import DraftsmithError, log
+from ..rundir import RECIPE_FILE, rerun_command, stage_dir
 from ..config import Recipe, check_recipe, heldout_sample_temperature
-from ..distributed import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded
+from ..distributed.group import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded
 from ..draft.build import drafter_config, init_drafter
 from ..draft.model import Eagle3Config
 from ..draft.vocab import VOCAB_FILE, draft_ids, load_vocab

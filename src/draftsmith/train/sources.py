@@ -22,9 +22,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..artifacts import DraftsmithError, require_complete, rerun_command, stage_dir, token_stage
+from ..manifests import require_complete
+from ..messages import DraftsmithError
+from ..rundir import rerun_command, stage_dir, token_stage
 from ..config import Recipe
-from ..distributed import DistInfo, rank_device
+from ..distributed.group import DistInfo, rank_device
 from ..target.model import Target, load_target
 from ..target.online import online_batch
 from .data import CaptureIndex, TokenIndex

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..artifacts import DraftsmithError, atomic_write_text, log, read_json, read_jsonl
-from ..distributed import DistInfo, parallelize
+from ..fileio import atomic_write_text, read_json, read_jsonl
+from ..messages import DraftsmithError, log
+from ..distributed.group import DistInfo, parallelize
 from ..draft.model import Eagle3Drafter
 from ..draft.ttt_attention import resolve_impl
 from .checkpoint import load_checkpoint, set_rng_state

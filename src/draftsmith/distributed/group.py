@@ -1,7 +1,7 @@
 """The one process-group setup of every stage that runs on several ranks (capture, train, online
 training), and FSDP2 applied from outside the model, for 1..N ranks.
 
-`init_distributed()` reads torchrun's environment (artifacts.torchrun_ranks: RANK, WORLD_SIZE,
+`init_distributed()` reads torchrun's environment (distributed.ranks.torchrun_ranks: RANK, WORLD_SIZE,
 LOCAL_RANK; MASTER_ADDR/PORT via env://); without it the world is one process and no process group
 is created. `parallelize()` shards a module with FSDP2 (`fully_shard`) at world size > 1 and
 returns it unchanged at world size 1: the training loop is the same code either way.
@@ -20,7 +20,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .artifacts import DraftsmithError, process_rank, torchrun_ranks
+from ..messages import DraftsmithError
+from .ranks import process_rank, torchrun_ranks
 
 
 def resolve_device(device: str = "auto") -> torch.device:
