@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import export, vocab
-from .config import Recipe
+from .config import STAGES, Recipe
 from .data import prepare, regenerate
 from .evaluate import stage as evaluate
 from .target import capture
@@ -60,20 +60,22 @@ class Stage:
     shards its manifest lists: a failed run that wrote some is kept, not replaced by the output set aside."""
 
 
-STAGE_TABLE: dict[str, Stage] = {
-    "prepare": Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), (),
-                     extra=prepare.fingerprint_extra, extra_name=prepare.EXTRA_NAME),
-    "regenerate": Stage(regenerate.run, "optional: the target rewrites the assistant turns (regenerate.enabled)",
-                        ("regenerate",), ("prepare",), regenerate.UNFINGERPRINTED, regenerate.retry_verdict,
-                        skipped=regenerate.skip_reason, extra=regenerate.fingerprint_extra, extra_name=regenerate.EXTRA_NAME),
-    "capture": Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate"),
-                     distributed=True, skipped=capture.skip_reason),
-    "vocab": Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
-    "train": Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
-                   ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict, distributed=True,
-                   inputs=sources.stage_inputs, extra=heldout.fingerprint_extra, extra_name=heldout.EXTRA_NAME),
-    "evaluate": Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
-                      ("train",), revisit=evaluate.check_verdict, partial=evaluate.PARTIAL),
-    "export": Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),
-}
-"""In run order; its names are config.STAGES (what status reads without importing the stages)."""
+_TABLE = (  # in the order of config.STAGES, the one list of stage names
+    Stage(prepare.run, "conversations -> token shards with assistant-only loss masks", ("prepare",), (),
+          extra=prepare.fingerprint_extra, extra_name=prepare.EXTRA_NAME),
+    Stage(regenerate.run, "optional: the target rewrites the assistant turns (regenerate.enabled)",
+          ("regenerate",), ("prepare",), regenerate.UNFINGERPRINTED, regenerate.retry_verdict,
+          skipped=regenerate.skip_reason, extra=regenerate.fingerprint_extra, extra_name=regenerate.EXTRA_NAME),
+    Stage(capture.run, "target forward -> aux hidden-state shards", ("capture",), ("prepare", "regenerate"),
+          distributed=True, skipped=capture.skip_reason),
+    Stage(vocab.run, "draft vocabulary (d2t / t2d) from token frequencies", ("vocab",), ("prepare", "regenerate")),
+    Stage(train.run, "train the EAGLE-3 drafter with training-time test", ("draft", "train", "seed"),
+          ("capture", "vocab"), train.UNFINGERPRINTED, train.budget_verdict, distributed=True,
+          inputs=sources.stage_inputs, extra=heldout.fingerprint_extra, extra_name=heldout.EXTRA_NAME),
+    Stage(evaluate.run, "speculative decoding: acceptance length and speedup vs plain decoding", ("evaluate",),
+          ("train",), revisit=evaluate.check_verdict, partial=evaluate.PARTIAL),
+    Stage(export.run, "write SGLang / vLLM drafter folders", ("export",), ("train",)),
+)
+assert len(_TABLE) == len(STAGES), "stages.py: one Stage per name of config.STAGES, in its order"
+STAGE_TABLE: dict[str, Stage] = dict(zip(STAGES, _TABLE))
+"""In run order; its names are config.STAGES, which status reads without importing the stages."""
