@@ -413,7 +413,7 @@ def serve_command(run_dir: Path, recipe: dict, ev: Optional[dict]) -> tuple[str,
     the tree (--speculative-eagle-topk tree_topk, num-steps tree_depth, num-draft-tokens budget + 1, the
     rows one verification holds) or the chain (top-k 1, k steps, k + 1 tokens). Returns (command, why)."""
     target = _get(recipe, "target.path") or "TARGET"
-    cfg = _get(ev, "config") if isinstance(_get(ev, "config"), dict) else _get(recipe, "evaluate")
+    cfg = _get(ev, "config") or _get(recipe, "evaluate")  # read through _setting: any shape reads as the defaults
     shape = lambda key, default: int(v) if (v := _setting(cfg, key)) is not None and v == int(v) else default  # noqa: E731
     methods = read_figures("evaluate", ev).metrics.methods
     speed = {m: methods[m].speedup or 0 for m in ("eagle3_chain", "eagle3_tree") if m in methods}
