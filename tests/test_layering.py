@@ -27,11 +27,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("draftsmith.speculate",)),
     ("models and formats", ("draftsmith.draft", "draftsmith.target.model", "draftsmith.target.online",
                             "draftsmith.data.shards", "draftsmith.data.batch", "draftsmith.data.readers",
-                            "draftsmith.data.template", "draftsmith.data.conversations")),
+                            "draftsmith.data.template", "draftsmith.data.conversations",
+                            # each stage's measured figures (manifests.Figures): the stage writes them, the tools
+                            # read them, so they sit below both, beside the other formats
+                            "draftsmith.figures")),
     ("foundations", ("draftsmith.config", "draftsmith.messages", "draftsmith.fileio", "draftsmith.manifests",
                      "draftsmith.rundir", "draftsmith.distributed", "draftsmith.costmodel", "draftsmith.compat")),
 ]
-PACKAGES = ("draftsmith", "draftsmith.data", "draftsmith.target", "draftsmith.draft")  # namespaces only: no code
+PACKAGES = ("draftsmith", "draftsmith.data", "draftsmith.target", "draftsmith.draft", "draftsmith.figures")  # namespaces only: no code
 TOOLS = ("draftsmith.plan", "draftsmith.status", "draftsmith.doctor")
 """They read manifests and the cost model: they import no stage, no pipeline, no CLI."""
 STAGES = ("draftsmith.data.prepare", "draftsmith.data.regenerate", "draftsmith.target.capture", "draftsmith.vocab",

@@ -633,4 +633,4 @@ def test_engine_tau_without_a_round_is_skipped(monkeypatch):
     monkeypatch.setattr(heldout, "prompt_budget", lambda *a: None)
     monkeypatch.setattr(heldout, "decode", lambda *a, **k: ([[2]], [stats]))
     rec = heldout.engine_tau(None, None, [("a", [5, 6]), ("b", [7])], 8, 2, EvaluateConfig(), [2])
-    assert rec == {"skipped": "no speculative round ran on 2 held-out prompt(s): each answer ended at its first token"}
+    assert rec.to_dict() == {"skipped": "no speculative round ran on 2 held-out prompt(s): each answer ended at its first token"}

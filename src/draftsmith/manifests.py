@@ -9,9 +9,12 @@ import os
 import platform
 import socket
 import time
+import types
+import typing
+from dataclasses import dataclass, field, fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Self
 
 from .distributed.ranks import is_main_rank
 from .fileio import atomic_write_json, read_json, sha256_file, to_jsonable
@@ -193,3 +196,134 @@ def safe_join(root: str | Path, rel: str) -> Path:
     if p != root and root not in p.parents:
         raise DraftsmithError(f"{root / MANIFEST}: path {rel!r} escapes the run directory; the manifest was edited, delete it and rerun")
     return p
+
+
+# ----------------------------------------------------------------------------- measured figures
+
+BAD = object()
+"""What `read_as` gives for a value of the wrong type: the field keeps its default."""
+
+
+def absent_when_none(**kw: Any) -> Any:
+    """A figure the stage writes only when it has it: None leaves the key out of to_dict (a written
+    null is a figure the stage measured as none)."""
+    return field(default=None, metadata={"absent_when_none": True}, **kw)
+
+
+def section(cls: type) -> Any:
+    """A nested section that is always there (an empty one when the manifest lacks it)."""
+    return field(default_factory=cls)
+
+
+class Figures:
+    """The base of a stage's measured figures (draftsmith/figures/): a dataclass whose fields are the
+    keys of a manifest section, nested sections being dataclasses too. The stage writes it with
+    `to_dict`, `status` and `plan` read it with `from_manifest`, so a figure is named once; a renamed
+    one fails tests/test_figures.py rather than a report.
+
+    `from_manifest` reads whatever it is given: a missing key leaves the field's default (None, an
+    empty section), and so does a value of the wrong type (a hand-edited manifest, an older writer),
+    each such key noted in `problems` ("metrics.loss: a str, not a number") for the caller to show."""
+
+    @classmethod
+    def from_manifest(cls, m: Any, problems: list[str] | None = None, where: str = "") -> Self:
+        if not isinstance(m, dict):
+            _note(problems, where.rstrip(".") or "the manifest", m, "an object")
+            m = {}
+        kwargs = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            if f.name in m:
+                v = read_as(_hints(cls)[f.name], m[f.name], f"{where}{f.name}", problems)
+                if v is not BAD:
+                    kwargs[f.name] = v
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        """The manifest section: every field by its name, nested sections as dicts; None written as
+        null except for fields made with `absent_when_none`."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)  # type: ignore[arg-type]
+                if not (getattr(self, f.name) is None and f.metadata.get("absent_when_none"))}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+_KINDS = {float: "a number", int: "an integer", str: "a string", bool: "true/false", list: "a list", dict: "an object"}
+
+
+def _note(problems: list[str] | None, key: str, v: Any, wanted: str) -> None:
+    if problems is not None:
+        found = "null" if v is None else f"a {type(v).__name__}"
+        problems.append(f"{key}: {found}, not {wanted}")
+
+
+def read_as(tp: Any, v: Any, key: str, problems: list[str] | None) -> Any:
+    """v read as type tp (a Figures section, a scalar, list[...], dict[str, ...], Optional[...], Any), else BAD."""
+    if tp is Any:
+        return v
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"{key}: Figures fields are X or Optional[X], not {tp}")
+        return read_as(inner[0], v, key, problems)
+    if isinstance(tp, type) and issubclass(tp, Figures):
+        if isinstance(v, dict):
+            return tp.from_manifest(v, problems, f"{key}.")
+        _note(problems, key, v, "an object")
+        return BAD
+    if origin is list:
+        if not isinstance(v, list):
+            _note(problems, key, v, "a list")
+            return BAD
+        out = [read_as(args[0], x, f"{key}[{i}]", problems) for i, x in enumerate(v)]
+        return BAD if any(x is BAD for x in out) else out
+    if origin is dict:
+        if not isinstance(v, dict):
+            _note(problems, key, v, "an object")
+            return BAD
+        out = {k: read_as(args[1], x, f"{key}.{k}", problems) for k, x in v.items()}
+        return {k: x for k, x in out.items() if x is not BAD}  # a bad entry goes, its siblings stay
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) if tp is float else
+          isinstance(v, int) and not isinstance(v, bool) if tp is int else isinstance(v, tp))
+    if not ok:
+        _note(problems, key, v, _KINDS.get(tp, tp.__name__))
+        return BAD
+    return v
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Figures):
+        return v.to_dict()
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+@dataclass
+class Hardware(Figures):
+    host: Optional[str] = None
+    platform: Optional[str] = None
+    cpu_count: Optional[int] = None
+    torch_threads: Optional[int] = absent_when_none()
+    gpus: Optional[list[str]] = absent_when_none()
+
+
+@dataclass
+class ManifestHead(Figures):
+    """What every manifest holds beside its stage's figures (new_manifest and finish_manifest write it),
+    as `status` reads it."""
+    stage: Optional[str] = None
+    status: Optional[str] = None
+    fingerprint: Optional[str] = None
+    versions: dict[str, Any] = field(default_factory=dict)
+    hardware: Hardware = field(default_factory=Hardware)
+    started_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    timings: dict[str, Optional[float]] = field(default_factory=dict)

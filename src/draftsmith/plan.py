@@ -31,6 +31,7 @@ from .manifests import load_manifest
 from .messages import DraftsmithError
 from .rundir import RECIPE_FILE, stage_dir
 from .config import cli_parser
+from .figures.evaluate import EvaluateFigures
 from .costmodel import HARDWARE, MeasuredCost, RooflineCost, StepCost, drafter_params, expected_tokens, target_spec
 
 # ----------------------------------------------------------------------------- acceptance
@@ -239,17 +240,18 @@ def _eval_metrics(run_dir: Path) -> tuple[Optional[list[float]], Optional[dict],
     if not m or m.get("status") != "complete":
         return None, None, None, {}
     src = str(stage_dir(run_dir, "evaluate") / "manifest.json")
-    sc = m.get("step_costs") or m.get("metrics", {}).get("step_costs")
+    ev = EvaluateFigures.from_manifest(m)
     tree = {}
-    rates = (m.get("metrics", {}).get("accept_rate_per_position_by_method") or {}).get("eagle3_tree")
-    c = m.get("config") or {}
-    if rates and all(c.get(k) for k in ("tree_topk", "tree_depth", "tree_budget")):
-        tree = {"accept": rates, "shape": (int(c["tree_topk"]), int(c["tree_depth"]), int(c["tree_budget"]))}
+    rates = ev.metrics.accept_rate_per_position_by_method.get("eagle3_tree")
+    c = m.get("config") if isinstance(m.get("config"), dict) else {}
+    shape = [c.get(k) for k in ("tree_topk", "tree_depth", "tree_budget")]
+    if rates and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in shape):
+        tree = {"accept": rates, "shape": tuple(shape)}
     # over every round (evaluate's per_round_rates): prompt lookup's rounds without a match count; n-gram's
     # whether or not the run evaluated a tree
-    per_round = m.get("metrics", {}).get("accept_rate_per_position_per_round_by_method") or {}
+    per_round = ev.metrics.accept_rate_per_position_per_round_by_method
     tree.update({f"{k}_accept": per_round[k] for k in ("hybrid", "ngram") if per_round.get(k)})
-    return m.get("metrics", {}).get("accept_rate_per_position"), sc, src, tree
+    return ev.metrics.accept_rate_per_position or None, ev.step_costs or ev.metrics.step_costs, src, tree
 
 
 def plan(cfg: PlanConfig) -> dict:

@@ -14,11 +14,17 @@ falls while the training figure rises, the engine's held-out τ falls far below 
 it is evaluated deeper than it was trained), Immediate next
 step (computed from the findings once every stage is done), and Sources: every figure carries a
 [n] marker naming the file (and key) it was read from.
+
+Each stage's figures are read by attribute from its manifest through draftsmith/figures/ (the
+dataclasses the stage writes). A malformed manifest or ledger record never stops `status`: a
+figure of the wrong type reads as missing, a ledger record without an event is left out, and each
+such file is named in one line under Accomplished (`malformed` in the JSON).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import socket
@@ -29,49 +35,60 @@ from typing import Any, Callable, Optional
 import yaml
 
 from .fileio import atomic_write_text
-from .manifests import load_manifest
+from .manifests import Figures, ManifestHead, load_manifest
 from .messages import DraftsmithError
 from .rundir import RECIPE_FILE, LEDGER, Ledger, stage_command, stage_dir
 from .compat import TESTED, mtp_layers
 from .config import STAGES
 from .costmodel import target_spec, text_config_dict
+from .figures.capture import CaptureFigures
+from .figures.data import PrepareFigures, RegenerateFigures
+from .figures.evaluate import EvaluateFigures, MethodRow
+from .figures.export import ExportFigures
+from .figures.train import Engine, Heldout, TrainFigures
+from .figures.vocab import VocabFigures
 from .plan import expected_tokens, predict, speedup_at
 
 ICONS = {"done": "✅", "running": "🔄", "pending": "⏳", "failed": "❌", "interrupted": "⏸️"}
+
+FIGURES: dict[str, type[Figures]] = {"prepare": PrepareFigures, "regenerate": RegenerateFigures, "capture": CaptureFigures,
+                                     "vocab": VocabFigures, "train": TrainFigures, "evaluate": EvaluateFigures,
+                                     "export": ExportFigures}
+"""Each stage's figures (draftsmith/figures/): what status reads of its manifest."""
+
+
+def read_figures(stage: str, m: Any, problems: Optional[list[str]] = None) -> Any:
+    """A stage's figures from its manifest (None or a malformed one: the figures it has, the rest None)."""
+    return FIGURES[stage].from_manifest(m if m is not None else {}, problems)
 
 
 # ----------------------------------------------------------------------------- headline figures
 
 
-def _skipped(counts: dict) -> int:
-    return sum(v for k, v in counts.items() if k.startswith("skipped_") and isinstance(v, int))
-
-
-HEADLINES: dict[str, Callable[[dict], dict]] = {
-    "prepare": lambda m: {"kept": m["counts"].get("kept"), "read": m["counts"].get("read"),
-                          "skipped": _skipped(m["counts"]), "truncated": m["counts"].get("truncated"),
-                          "tokens": m["counts"].get("tokens"), "loss_tokens": m["counts"].get("loss_tokens")},
-    "capture": lambda m: {"tokens": m["counts"].get("tokens"), "bytes_per_token": m.get("bytes_per_token"),
-                          "storage_dtype": m.get("storage_dtype"), "aux_layer_ids": m.get("aux_layer_ids"),
-                          "tokens_per_s": m["metrics"].get("capture_tokens_per_s")},
-    "regenerate": lambda m: {"kept": m["counts"].get("kept"), "conversations": m["counts"].get("conversations"),
-                             "truncated": m["counts"].get("truncated"), "failed": m["counts"].get("failed")},
-    "vocab": lambda m: {"draft_vocab_size": m["metrics"].get("draft_vocab_size"), "coverage": m["metrics"].get("coverage")},
-    "train": lambda m: {"steps": m["counts"].get("steps", m["metrics"].get("steps")), "loss": m["metrics"].get("loss"),
-                        "acc_per_position": m["metrics"].get("acc_per_position"),
-                        "tau_simulated": m["metrics"].get("tau_simulated"), "tokens_per_s": m["metrics"].get("tokens_per_s")},
-    "evaluate": lambda m: {**{f"tau {k}": v.get("tau") for k, v in m["metrics"].get("methods", {}).items() if k != "plain"},
-                           **{f"speedup {k}": v.get("speedup") for k, v in m["metrics"].get("methods", {}).items() if k != "plain"},
-                           "tau": None if m["metrics"].get("methods") else m["metrics"].get("tau"),
-                           "speedup": None if m["metrics"].get("methods") else m["metrics"].get("speedup"),
-                           "tokens_per_s_plain": m["metrics"].get("tokens_per_s_plain"),
-                           "prompts": m["metrics"].get("num_prompts")},
-    "export": lambda m: {"formats": sorted(m.get("formats", {}))},
+HEADLINES: dict[str, Callable[[Any], dict]] = {
+    "prepare": lambda f: {"kept": f.counts.kept, "read": f.counts.read, "skipped": f.counts.skipped_total(),
+                          "truncated": f.counts.truncated, "tokens": f.counts.tokens, "loss_tokens": f.counts.loss_tokens},
+    "capture": lambda f: {"tokens": f.counts.tokens, "bytes_per_token": f.bytes_per_token, "storage_dtype": f.storage_dtype,
+                          "aux_layer_ids": f.aux_layer_ids, "tokens_per_s": f.metrics.capture_tokens_per_s},
+    "regenerate": lambda f: {"kept": f.counts.kept, "conversations": f.counts.conversations,
+                             "truncated": f.counts.truncated, "failed": f.counts.failed},
+    "vocab": lambda f: {"draft_vocab_size": f.metrics.draft_vocab_size, "coverage": f.metrics.coverage},
+    "train": lambda f: {"steps": f.counts.steps if f.counts.steps is not None else f.metrics.steps,
+                        "loss": f.metrics.loss, "acc_per_position": f.metrics.acc_per_position,
+                        "tau_simulated": f.metrics.tau_simulated, "tokens_per_s": f.metrics.tokens_per_s},
+    "evaluate": lambda f: {**{f"tau {k}": v.tau for k, v in f.metrics.methods.items() if k != "plain"},
+                           **{f"speedup {k}": v.speedup for k, v in f.metrics.methods.items() if k != "plain"},
+                           "tau": None if f.metrics.methods else f.metrics.tau,
+                           "speedup": None if f.metrics.methods else f.metrics.speedup,
+                           "tokens_per_s_plain": f.metrics.tokens_per_s_plain, "prompts": f.metrics.num_prompts},
+    "export": lambda f: {"formats": sorted(f.formats)},
 }
 
 
 def _fmt(key: str, v: Any) -> str:
     if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
         if "coverage" in key:
             return f"{v:.1%}"
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
@@ -96,43 +113,83 @@ def _pid_alive(pid: Optional[int]) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except (PermissionError, OSError, OverflowError, ValueError):
         return True
     return True
+
+
+def _number(v: Any) -> Optional[float]:
+    """v when it is a number (not a bool), else None."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def read_events(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """The ledger's records as status reads them, and what was wrong with them (one line each): a record
+    without an `event` string is left out; a `time`, `seconds` or `pid` that is not a number reads as
+    missing, an `error` that is not a string as its text."""
+    out, problems = [], []
+    for i, e in enumerate(records, 1):
+        if not isinstance(e, dict) or not isinstance(e.get("event"), str):
+            problems.append(f"record {i}: no `event` string; left out")
+            continue
+        bad = [k for k in ("time", "seconds", "pid") if k in e and e[k] is not None and _number(e[k]) is None]
+        if bad:
+            problems.append(f"record {i} ({e['event']}): {', '.join(bad)} not a number; read as missing")
+        e = {**e, **{k: None for k in bad}}
+        if "time" not in e:
+            problems.append(f"record {i} ({e['event']}): no time")
+        if e.get("error") is not None and not isinstance(e["error"], str):
+            e["error"] = json.dumps(e["error"], default=str)
+        out.append(e)
+    return out, problems
+
+
+def malformed_line(file: str, problems: list[str], what: str) -> Optional[str]:
+    """One line naming a malformed file and its first problems, or None."""
+    if not problems:
+        return None
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"{file}: {'; '.join(problems[:3])}{more}; {what}"
 
 
 def stage_state(run_dir: Path, stage: str, events: list[dict]) -> dict:
     folder = stage_dir(run_dir, stage)
     out: dict[str, Any] = {"stage": stage, "dir": folder.name, "state": "pending", "started_at": None,
-                           "finished_at": None, "seconds": None, "error": None, "figures": {}}
+                           "finished_at": None, "seconds": None, "error": None, "figures": {}, "malformed": None}
     try:
         m = load_manifest(folder)
     except DraftsmithError as e:  # an unreadable manifest is a failure to show, not to crash on
         return {**out, "state": "failed", "error": str(e)}
+    events, _ = read_events(events)
     mine = [e for e in events if e.get("stage") == stage]
     starts = [i for i, e in enumerate(mine) if e["event"] == "stage_started"]
     after = mine[starts[-1] + 1:] if starts else []
     last_start = mine[starts[-1]] if starts else None
     ended = {e["event"]: e for e in after}
 
+    head = ManifestHead()
     if m is not None:
-        out["started_at"] = m.get("started_at")
-        out["finished_at"] = m.get("finished_at")
-        out["figures"] = {k: v for k, v in HEADLINES[stage](m).items() if v is not None}
+        problems: list[str] = []
+        head = ManifestHead.from_manifest(m, problems)
+        out["started_at"], out["finished_at"] = head.started_at, head.finished_at
+        out["figures"] = {k: v for k, v in HEADLINES[stage](read_figures(stage, m, problems)).items() if v is not None}
+        out["malformed"] = malformed_line(f"{folder.name}/manifest.json", problems, "read as missing (the file was edited? "
+                                          f"`{stage_command(stage, run_dir, force=True)}` writes it again)")
     elif last_start:
-        out["started_at"] = last_start["time"]
+        out["started_at"] = last_start.get("time")
     failed = ended.get("stage_failed")
-    if m is not None and m.get("status") == "complete" and not (failed and failed["time"] > (m.get("finished_at") or 0)):
+    if m is not None and head.status == "complete" and not (failed and (failed.get("time") or 0) > (head.finished_at or 0)):
         out["state"] = "done"
-        out["seconds"] = (m.get("timings") or {}).get("wall_s")
+        out["seconds"] = head.timings.get("wall_s")
         if "stage_refused" in ended:
             out["refused"] = ended["stage_refused"].get("error")
     elif failed:
-        out.update(state="failed", error=failed.get("error"), finished_at=failed["time"], seconds=failed.get("seconds"))
+        out.update(state="failed", error=failed.get("error") or "(no error recorded)", finished_at=failed.get("time"),
+                   seconds=failed.get("seconds"))
     elif "stage_interrupted" in ended:
         out.update(state="interrupted", seconds=ended["stage_interrupted"].get("seconds"))
-    elif (m is not None and m.get("status") == "running") or (last_start and "stage_finished" not in ended):
-        same_host = m is not None and (m.get("hardware") or {}).get("host") == socket.gethostname()
+    elif (m is not None and head.status == "running") or (last_start and "stage_finished" not in ended):
+        same_host = m is not None and head.hardware.host == socket.gethostname()
         gone = same_host and not _pid_alive(last_start.get("pid") if last_start else None)
         out["state"] = "interrupted" if gone else "running"
         if out["started_at"]:
@@ -151,25 +208,32 @@ def _read_recipe(run_dir: Path) -> dict:
     return r if isinstance(r, dict) else {}
 
 
-def _token_counts(m: dict) -> Optional[str]:
+def _token_counts(f: PrepareFigures | RegenerateFigures) -> Optional[str]:
     """A data stage's "tokens (loss tokens)", or None where its manifest has no counts."""
-    c = m["counts"]
-    if c.get("tokens") is None or c.get("loss_tokens") is None:
+    c = f.counts
+    if c.tokens is None or c.loss_tokens is None:
         return None
-    return f"{c['tokens']:,} ({c['loss_tokens']:,})"
+    return f"{c.tokens:,} ({c.loss_tokens:,})"
 
 
-def _engine_fact(e: Optional[dict]) -> Optional[str]:
+def _engine_fact(e: Optional[Engine]) -> Optional[str]:
     """train's metrics.heldout.engine: the best drafter's τ measured by the engine on held-out prompts."""
-    if not e:
+    if e is None or (e.skipped is None and e.tau_chain is None):
         return None
-    if "skipped" in e:
-        return f"skipped: {e['skipped']}"
-    return f"{_fmt('', e.get('tau_chain'))} at depth {e.get('depth')} on {e.get('prompts')} held-out prompts"
+    if e.skipped is not None:
+        return f"skipped: {e.skipped}"
+    return f"{_fmt('', e.tau_chain)} at depth {e.depth} on {e.prompts} held-out prompts"
 
 
-def _depth(method: str, ev_config: dict) -> Optional[int]:
-    return {"eagle3_chain": ev_config.get("draft_steps"), "eagle3_tree": ev_config.get("tree_depth")}.get(method)
+def _setting(m: Any, path: str) -> Optional[float]:
+    """A number in a manifest (its config), None when absent or not a number."""
+    return _number(_get(m, path))
+
+
+def _depth(method: str, ev: Any) -> Optional[int]:
+    """How deep evaluate drafted `method` (its config), from the raw evaluate manifest."""
+    key = {"eagle3_chain": "config.draft_steps", "eagle3_tree": "config.tree_depth"}.get(method)
+    return _setting(ev, key) if key else None
 
 
 ENGINE_FLOOR = 0.8
@@ -181,48 +245,48 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
     """What the measured figures say stands between this drafter and a win, most pressing first.
     Each: {kind, text, fix, source}. Read from the train and evaluate manifests only."""
     out: list[dict] = []
-    train, ev = manifests.get("train"), manifests.get("evaluate")
-    held = _get(train or {}, "metrics.heldout") or {}
-    over = held.get("overfitting")
-    if over:
+    train_m, ev_m = manifests.get("train"), manifests.get("evaluate")
+    train, ev = read_figures("train", train_m), read_figures("evaluate", ev_m)
+    held = train.metrics.heldout or Heldout()
+    over = held.overfitting
+    if over and None not in (over.heldout_from, over.heldout_to, over.train_from, over.train_to):
         out.append({"kind": "overfitting", "source": f"{_mf('train')}: metrics.heldout.overfitting",
-                    "text": f"held-out {'sampled' if held.get('best_by') == 'sampled' else 'simulated'} τ fell from "
-                            f"{over['heldout_from']:.3g} (step {over['from_step']}) to "
-                            f"{over['heldout_to']:.3g} (step {over['to_step']}) while the training figure rose from "
-                            f"{over['train_from']:.3g} to {over['train_to']:.3g}: the drafter is memorizing its data",
+                    "text": f"held-out {'sampled' if held.best_by == 'sampled' else 'simulated'} τ fell from "
+                            f"{over.heldout_from:.3g} (step {over.from_step}) to "
+                            f"{over.heldout_to:.3g} (step {over.to_step}) while the training figure rose from "
+                            f"{over.train_from:.3g} to {over.train_to:.3g}: the drafter is memorizing its data",
                     "fix": "train on more conversations (raise prepare.max_samples, with regenerate on) or for fewer "
                            "epochs; train/best holds the checkpoint with the best held-out figure"})
-    engine = held.get("engine") or {}
-    acc = held.get("best_acc_per_position") or []
-    if engine.get("tau_chain") is not None and engine.get("depth") and len(acc) >= engine["depth"]:
-        sim = expected_tokens(acc[:engine["depth"]])  # the simulated tau at the depth the engine drafted
-        if engine["tau_chain"] < ENGINE_FLOOR * sim:
+    engine = held.engine or Engine()
+    acc = held.best_acc_per_position or []
+    if engine.tau_chain is not None and engine.depth and engine.depth > 0 and len(acc) >= engine.depth:
+        sim = expected_tokens(acc[:engine.depth])  # the simulated tau at the depth the engine drafted
+        if engine.tau_chain < ENGINE_FLOOR * sim:
             out.append({"kind": "engine_below_simulated", "source": f"{_mf('train')}: metrics.heldout.engine, "
                                                                      "metrics.heldout.best_acc_per_position",
-                        "text": f"the engine's τ on {engine.get('prompts')} held-out prompts ({engine['tau_chain']:.3g}) is "
-                                f"far below the τ its teacher-forced held-out accuracy predicts at depth {engine['depth']} "
+                        "text": f"the engine's τ on {engine.prompts} held-out prompts ({engine.tau_chain:.3g}) is "
+                                f"far below the τ its teacher-forced held-out accuracy predicts at depth {engine.depth} "
                                 f"({sim:.3g}): decoding does not see what training saw",
                         "fix": "check that capture and evaluate use the same aux layers, chat template, draft vocab "
                                "and dtype; tests/test_consistency.py checks the engine against teacher forcing"})
-    trained_k = _get(train or {}, "config.train.ttt_steps")
-    ev_config = (ev or {}).get("config") or {}
-    methods = _get(ev or {}, "metrics.methods") or {}
-    if trained_k and ev:
-        deep = {m: _depth(m, ev_config) for m in methods if (_depth(m, ev_config) or 0) > trained_k}
+    trained_k = _setting(train_m, "config.train.ttt_steps")
+    trained_k = int(trained_k) if trained_k and trained_k > 0 and trained_k == int(trained_k) else None
+    methods = ev.metrics.methods
+    if trained_k and ev_m:
+        deep = {m: _depth(m, ev_m) for m in methods if (_depth(m, ev_m) or 0) > trained_k}
         if deep:
-            rates = _get(ev, "metrics.accept_rate_per_position") or []
-            past = [r for r in rates[trained_k:] if r is not None]
+            past = [r for r in ev.metrics.accept_rate_per_position[trained_k:] if r is not None]
             seen = f"; measured acceptance past depth {trained_k}: {' '.join(f'{r:.2f}' for r in past)}" if past else ""
             out.append({"kind": "deeper_than_trained", "source": f"{_mf('evaluate')}: config, metrics.accept_rate_per_position",
-                        "text": ", ".join(f"{m} drafts to depth {d}" for m, d in deep.items())
+                        "text": ", ".join(f"{m} drafts to depth {d:g}" for m, d in deep.items())
                                 + f", but the drafter was trained with {trained_k} TTT steps{seen}",
-                        "fix": f"train with train.ttt_steps >= {max(deep.values())} or evaluate with evaluate.draft_steps / "
+                        "fix": f"train with train.ttt_steps >= {max(deep.values()):g} or evaluate with evaluate.draft_steps / "
                                f"evaluate.tree_depth <= {trained_k}"
                                + ("; or train with draft.norm_output true (the default since 2026-12-05), which holds "
                                   "acceptance past the trained depth (BENCHMARKS.md \"New defaults\")"
-                                  if _get(train or {}, "config.draft.norm_output") is False else "")})
-    t_learned = _get(train or {}, "config.train.ttt_target_temperature")
-    t_served = ev_config.get("temperature") or 0
+                                  if _get(train_m, "config.draft.norm_output") is False else "")})
+    t_learned = _setting(train_m, "config.train.ttt_target_temperature")
+    t_served = _setting(ev_m, "config.temperature") or 0
     if t_served > 0 and t_learned is not None and t_learned != 1:
         out.append({"kind": "law_unlike_served", "source": f"{_mf('train')}: config.train.ttt_target_temperature; "
                                                           f"{_mf('evaluate')}: config.temperature",
@@ -232,8 +296,9 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                             "(on an H100, T 0.5 lost 26 % chain τ against T 1 at temperature 1; BENCHMARKS.md, nineteenth session)",
                     "fix": "train with train.ttt_target_temperature 1 (as recipes/gpu.yaml does); a sharper T helps greedy "
                            "decoding only"})
-    regen = manifests.get("regenerate") or {}
-    t_regen = (_get(regen, "config.temperature") or 0) if regen.get("status") == "complete" else None  # None: not regenerated
+    regen = manifests.get("regenerate")
+    # None: not regenerated
+    t_regen = (_setting(regen, "config.temperature") or 0) if _get(regen, "status") == "complete" else None
     if t_served > 0 and t_regen == 0:
         out.append({"kind": "trained_on_greedy_text", "source": f"{_mf('regenerate')}: config.temperature; "
                                                                f"{_mf('evaluate')}: config.temperature",
@@ -244,43 +309,43 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
                             "under greedy decoding; BENCHMARKS.md, twenty-first session)",
                     "fix": f"for a server that samples, regenerate at its temperature (regenerate.temperature {t_served:g}); "
                            "keep greedy answers for a greedy server"})
-    s_step, s_tau, kept_tau = held.get("sampled_best_step"), held.get("sampled_best_tau"), held.get("best_tau_sampled")
-    if (t_served > 0 and held.get("best_by", "greedy") == "greedy" and s_step is not None and kept_tau is not None
-            and s_step != held.get("best_step") and s_tau > kept_tau):
+    s_step, s_tau, kept_tau = held.sampled_best_step, held.sampled_best_tau, held.best_tau_sampled
+    if (t_served > 0 and (held.best_by or "greedy") == "greedy" and None not in (s_step, s_tau, kept_tau)
+            and held.sample_temperature is not None and s_step != held.best_step and s_tau > kept_tau):
         out.append({"kind": "kept_for_greedy_decoding", "source": f"{_mf('train')}: metrics.heldout; "
                                                                  f"{_mf('evaluate')}: config.temperature",
-                    "text": f"evaluate samples at temperature {t_served:g}, but train/best kept step {held.get('best_step')} by "
-                            f"held-out greedy simulated τ (its held-out sampled τ at T {held.get('sample_temperature'):g}: "
+                    "text": f"evaluate samples at temperature {t_served:g}, but train/best kept step {held.best_step} by "
+                            f"held-out greedy simulated τ (its held-out sampled τ at T {held.sample_temperature:g}: "
                             f"{kept_tau:.3g}); step {s_step} had the best held-out sampled τ, {s_tau:.3g}",
                     "fix": "train with train.keep_best sampled (as recipes/gpu.yaml does): train/best is then chosen by "
                            "held-out τ of speculative sampling at evaluate.temperature"})
-    fallbacks = _get(ev or {}, "metrics.capture_fallbacks")
+    fallbacks = ev.metrics.capture_fallbacks
     if fallbacks:  # those calls ran eagerly: the speedups are not the graphs path's
         out.append({"kind": "capture_fallbacks", "source": f"{_mf('evaluate')}: metrics.capture_fallbacks",
                     "text": f"{fallbacks} CUDA-graph capture(s) of evaluate fell back to eager, so part of its timings are "
                             "eager ones and its speedups understate the graphs path",
                     "fix": "read why in eval/results.json (capture_fallbacks) and the evaluate log; fix that or set "
                            "evaluate.fast: static to time every method on one path"})
-    ngram = methods.get("ngram") or {}
-    if ngram.get("tau") is not None:
-        lose = {m: v for m, v in methods.items() if m.startswith("eagle3") and v.get("tau") is not None
-                and (v["tau"] < ngram["tau"] or (v.get("speedup") or 0) < (ngram.get("speedup") or 0))}
+    ngram = methods.get("ngram") or MethodRow()
+    if ngram.tau is not None:
+        lose = {m: v for m, v in methods.items() if m.startswith("eagle3") and v.tau is not None
+                and (v.tau < ngram.tau or (v.speedup or 0) < (ngram.speedup or 0))}
         if lose:
-            capped = _drafting_ceilings(lose, ev, ngram)
+            capped = _drafting_ceilings(lose, ev_m, ev, ngram)
             if capped:
                 fix = capped
-            elif held.get("still_improving"):
+            elif held.still_improving:
                 fix = "the held-out figure was still rising at the last evaluation: train longer (raise train.epochs)"
-            elif held:
+            elif train.metrics.heldout is not None:
                 fix = "the held-out figure had levelled off: more data helps more than more steps (raise prepare.max_samples, regenerate on)"
             else:
                 fix = "hold samples out (train.heldout_samples) to see whether more data or more steps would help"
             out.append({"kind": "loses_to_ngram", "source": f"{_mf('evaluate')}: metrics.methods",
-                        "text": "; ".join(f"{m} τ {v['tau']:.3g} / {_fmt('', v.get('speedup'))}x" for m, v in lose.items())
-                                + f" against n-gram lookup's τ {ngram['tau']:.3g} / {_fmt('', ngram.get('speedup'))}x, "
+                        "text": "; ".join(f"{m} τ {v.tau:.3g} / {_fmt('', v.speedup)}x" for m, v in lose.items())
+                                + f" against n-gram lookup's τ {ngram.tau:.3g} / {_fmt('', ngram.speedup)}x, "
                                   "which costs nothing to train",
                         "fix": fix, "rerun": not capped})  # capped: rerunning the same recipe cannot change it
-    if ev and t_served == 0 and t_regen:  # last: the figures hold, for greedy decoding
+    if ev_m and t_served == 0 and t_regen:  # last: the figures hold, for greedy decoding
         out.append({"kind": "greedy_eval_of_sampled_answers", "source": f"{_mf('regenerate')}: config.temperature; "
                                                                        f"{_mf('evaluate')}: config.temperature",
                     "text": f"the drafter trained on answers the target sampled at temperature {t_regen:g}, made for a server "
@@ -292,26 +357,25 @@ def findings(recipe: dict, manifests: dict[str, dict]) -> list[dict]:
     return out
 
 
-def _drafting_ceilings(lose: dict, ev: dict, ngram: dict) -> Optional[str]:
+def _drafting_ceilings(lose: dict[str, MethodRow], ev_m: Any, ev: EvaluateFigures, ngram: MethodRow) -> Optional[str]:
     """When no drafter could pass n-gram's speedup at the measured depth, say so instead of
     advising more training. A round's cost in plain decoding steps is τ ÷ speedup (both measured
     on the same prompts); with every draft accepted a depth-d round emits d + 1 tokens, so the
     method's speedup is at most (d + 1) ÷ that cost (a ceiling: an all-accepted round feeds the
     drafter a few more rows). None when some losing method could still win by acceptance alone."""
-    depth = {"eagle3_chain": _get(ev, "config.draft_steps"), "eagle3_tree": _get(ev, "config.tree_depth")}
-    s_ngram, caps = ngram.get("speedup") or 0, []
+    s_ngram, caps = ngram.speedup or 0, []
     for m, v in lose.items():
-        d, tau, sp = depth.get(m), v.get("tau"), v.get("speedup")
+        d, tau, sp = _depth(m, ev_m), v.tau, v.speedup
         if not (d and tau and sp):
             return None
         cost = tau / sp
         if (d + 1) / cost >= s_ngram:
             return None
         caps.append(f"a {m} round costs {cost:.2g} plain decoding steps here (τ ÷ speedup), so even with every draft "
-                    f"accepted its depth {d} gives at most {(d + 1) / cost:.2g}x")
-    hybrid = _get(ev, "metrics.methods.hybrid") or {}
-    best = (f"; the hybrid method verifies n-gram's continuation inside the drafter's tree (τ {hybrid['tau']:.3g}, "
-            f"{_fmt('', hybrid.get('speedup'))}x here)" if hybrid.get("tau") else "")
+                    f"accepted its depth {d:g} gives at most {(d + 1) / cost:.2g}x")
+    hybrid = ev.metrics.methods.get("hybrid") or MethodRow()
+    best = (f"; the hybrid method verifies n-gram's continuation inside the drafter's tree (τ {hybrid.tau:.3g}, "
+            f"{_fmt('', hybrid.speedup)}x here)" if hybrid.tau else "")
     return ("training longer cannot pass n-gram on this device: " + "; ".join(caps) + f", below n-gram's "
             f"{s_ngram:.3g}x. Drafting pays where a verify forward costs about one decoding step (a GPU, where the "
             "weights' bytes bound a step: docs/fast-paths.md); here serve n-gram lookup" + best)
@@ -348,15 +412,16 @@ def serve_command(run_dir: Path, recipe: dict, ev: Optional[dict]) -> tuple[str,
     """SGLang's command for the exported drafter, shaped as the EAGLE-3 method evaluate measured fastest:
     the tree (--speculative-eagle-topk tree_topk, num-steps tree_depth, num-draft-tokens budget + 1, the
     rows one verification holds) or the chain (top-k 1, k steps, k + 1 tokens). Returns (command, why)."""
-    target = (recipe.get("target") or {}).get("path", "TARGET")
-    cfg = (ev or {}).get("config") or recipe.get("evaluate") or {}
-    methods = _get(ev or {}, "metrics.methods") or {}
-    speed = {m: methods[m].get("speedup") or 0 for m in ("eagle3_chain", "eagle3_tree") if m in methods}
+    target = _get(recipe, "target.path") or "TARGET"
+    cfg = _get(ev, "config") or _get(recipe, "evaluate")  # read through _setting: any shape reads as the defaults
+    shape = lambda key, default: int(v) if (v := _setting(cfg, key)) is not None and v == int(v) else default  # noqa: E731
+    methods = read_figures("evaluate", ev).metrics.methods
+    speed = {m: methods[m].speedup or 0 for m in ("eagle3_chain", "eagle3_tree") if m in methods}
     best = max(speed, key=speed.get) if speed else "eagle3_chain"
     if best == "eagle3_tree":
-        steps, topk, tokens = cfg.get("tree_depth", 5), cfg.get("tree_topk", 4), cfg.get("tree_budget", 16) + 1
+        steps, topk, tokens = shape("tree_depth", 5), shape("tree_topk", 4), shape("tree_budget", 16) + 1
     else:
-        steps = cfg.get("draft_steps", 5)
+        steps = shape("draft_steps", 5)
         topk, tokens = 1, steps + 1
     why = f" as the {best.split('_')[1]} evaluate measured fastest ({speed[best]:.2f}x)" if speed else ""
     cmd = (f"python -m sglang.launch_server --model-path {shlex.quote(str(target))} --speculative-algorithm EAGLE3 "
@@ -396,7 +461,9 @@ def fact(label: str, value: Any, source: str) -> Optional[dict]:
     return None if value in (None, [], {}, "") else {"label": label, "value": value, "source": source}
 
 
-def _get(d: dict, path: str) -> Any:
+
+
+def _get(d: Any, path: str) -> Any:
     for k in path.split("."):
         d = d.get(k) if isinstance(d, dict) else None
     return d
@@ -416,6 +483,11 @@ def _manifests(run_dir: Path) -> dict[str, dict]:
 
 def _mf(stage: str) -> str:
     return f"{stage_dir('', stage).as_posix().lstrip('/')}/manifest.json"
+
+
+def _words(v: Any) -> str:
+    """A recipe list as 'a, b' (a hand-edited scalar as itself)."""
+    return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 def instructions(recipe: dict) -> list[dict]:
@@ -438,10 +510,10 @@ def instructions(recipe: dict) -> list[dict]:
         fact("train budget", f"max_steps {r('train.max_steps')}" if r("train.max_steps") else
              (f"{r('train.epochs')} epochs" if r("train") else None), "recipe.yaml: train.max_steps, train.epochs"),
         fact("max length", r("prepare.max_length"), "recipe.yaml: prepare.max_length"),
-        fact("evaluation", f"k={r('evaluate.draft_steps')} on {', '.join(map(str, r('evaluate.benchmarks') or []))}, "
+        fact("evaluation", f"k={r('evaluate.draft_steps')} on {_words(r('evaluate.benchmarks') or [])}, "
              f"max_new_tokens {r('evaluate.max_new_tokens')}" if r("evaluate") else None,
              "recipe.yaml: evaluate.draft_steps, evaluate.benchmarks, evaluate.max_new_tokens"),
-        fact("export", f"{', '.join(r('export.formats') or [])} in {r('export.dtype')}" if r("export") else None,
+        fact("export", f"{_words(r('export.formats') or [])} in {r('export.dtype')}" if r("export") else None,
              "recipe.yaml: export.formats, export.dtype"),
     ]
     return [f for f in facts if f]
@@ -474,39 +546,95 @@ def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
     ]
 
 
-def _prediction_facts(run_dir: Path, ev: dict) -> list[Optional[dict]]:
+
+
+def _prediction_facts(run_dir: Path, ev_m: dict) -> list[Optional[dict]]:
     """Planner prediction at batch 1 and the evaluated k, next to the measured speedup."""
-    metrics, k = ev.get("metrics", {}), ev.get("metrics", {}).get("draft_steps") or _get(ev, "config.draft_steps")
-    measured, accept = metrics.get("speedup"), metrics.get("accept_rate_per_position")
-    step_costs = ev.get("step_costs") or metrics.get("step_costs")
+    ev = read_figures("evaluate", ev_m)
+    k = ev.metrics.draft_steps or _setting(ev_m, "config.draft_steps")
+    k = int(k) if k and k > 0 and k == int(k) else None
+    measured, accept = ev.metrics.speedup, ev.metrics.accept_rate_per_position
+    step_costs = ev.step_costs or ev.metrics.step_costs
     predicted, src = None, None
     if step_costs and accept and k:
         try:
-            res = predict(accept, step_costs, [1], [int(k)], tree_budgets=[])
-            predicted = speedup_at(res, 1, int(k))
+            res = predict(accept, step_costs, [1], [k], tree_budgets=[])
+            predicted = speedup_at(res, 1, k)
             src = f"{_mf('evaluate')}: step_costs + accept_rate_per_position (plan.predict)"
-        except DraftsmithError:
+        except (DraftsmithError, TypeError, ValueError):  # hand-edited acceptance or costs: no prediction
             predicted = None
     elif (run_dir / "plan.json").exists() and k:
         try:
-            predicted = speedup_at(json.loads((run_dir / "plan.json").read_text()), 1, int(k))
+            predicted = speedup_at(json.loads((run_dir / "plan.json").read_text()), 1, k)
             src = f"plan.json: rows[batch 1, k={k}]"
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             predicted = None
-    if predicted is None:
+    if _number(predicted) is None:
         return [fact("planner prediction", "none yet (no step_costs in the eval manifest, no plan.json); "
                      "run `draftsmith plan --run_dir RUN_DIR`", "plan.json")] if measured is not None else []
     err = f" ({(predicted - measured) / measured:+.1%} vs measured {measured:.3g}x)" if measured else ""
     out = [fact(f"predicted speedup (batch 1, k={k})", f"{predicted:.3g}x{err}", src)]
-    batches = metrics.get("batches") or {}
+    batches = ev.metrics.batches
     if step_costs and accept and k and batches:  # measured speedup per batch size (eagle3_chain) vs predicted
-        sizes = sorted(int(b) for b, row in batches.items() if (row or {}).get("eagle3_chain"))
-        res = predict(accept, step_costs, sizes, [int(k)], tree_budgets=[])
-        pairs = [f"b={b}: {batches.get(str(b), batches.get(b))['eagle3_chain']:.3g}x measured, "
-                 f"{speedup_at(res, b, int(k)):.3g}x predicted" for b in sizes]
+        sizes = sorted(int(b) for b, row in batches.items() if b.isdigit() and row.get("eagle3_chain") is not None)
+        try:
+            res = predict(accept, step_costs, sizes, [k], tree_budgets=[])
+            pairs = [f"b={b}: {batches[str(b)]['eagle3_chain']:.3g}x measured, "
+                     f"{speedup_at(res, b, k):.3g}x predicted" for b in sizes]
+        except (DraftsmithError, TypeError, ValueError):
+            pairs = []
         out.append(fact("speedup per batch size (chain)", "; ".join(pairs),
                         f"{_mf('evaluate')}: metrics.batches, step_costs (plan.predict)"))
     return out
+
+
+def _heldout_fact(h: Optional[Heldout]) -> Optional[str]:
+    if h is None or None in (h.best_tau_simulated, h.best_step, h.last_tau_simulated, h.samples):
+        return None
+    return f"{h.best_tau_simulated:.3g} (step {h.best_step}) / {h.last_tau_simulated:.3g} on {h.samples:,} held-out samples"
+
+
+def _sampled_fact(h: Optional[Heldout]) -> Optional[str]:
+    if h is None or h.best_tau_sampled is None or h.sample_temperature is None:
+        return None
+    return (f"{h.best_tau_sampled:.3g} at temperature {h.sample_temperature:g}"
+            + (" (train.keep_best: sampled, train/best chosen by it)" if h.best_by == "sampled" else ""))
+
+
+def _speeds(f: EvaluateFigures) -> Optional[str]:
+    spec, plain = f.metrics.tokens_per_s_spec, f.metrics.tokens_per_s_plain
+    return None if spec is None or plain is None else f"{_fmt('', spec)} vs {_fmt('', plain)}"
+
+
+FIGURE_FACTS: list[tuple[str, str, Callable[[Any], Any], str]] = [
+    ("prepare", "conversations kept / read", lambda f: f"{f.counts.kept} / {f.counts.read}" if f.counts.read is not None
+     else None, "counts.kept, counts.read"),
+    ("prepare", "training tokens (loss tokens)", _token_counts, "counts.tokens, counts.loss_tokens"),
+    ("regenerate", "regenerated conversations kept / tokens (loss tokens): what training read",
+     lambda f: f"{f.counts.kept} / {t}" if (t := _token_counts(f)) else None, "counts.kept, counts.tokens, counts.loss_tokens"),
+    ("capture", "aux layers captured", lambda f: f.aux_layer_ids, "aux_layer_ids"),
+    ("capture", "capture bytes per token", lambda f: f.bytes_per_token, "bytes_per_token"),
+    ("capture", "capture throughput (tokens/s)", lambda f: f.metrics.capture_tokens_per_s, "metrics.capture_tokens_per_s"),
+    ("vocab", "draft vocab coverage", lambda f: f.metrics.coverage, "metrics.coverage"),
+    ("train", "training throughput (tokens/s)", lambda f: f.metrics.tokens_per_s, "metrics.tokens_per_s"),
+    ("train", "final loss", lambda f: f.metrics.loss, "metrics.loss"),
+    ("train", "train accuracy per TTT position", lambda f: f.metrics.acc_per_position, "metrics.acc_per_position"),
+    ("train", "simulated τ", lambda f: f.metrics.tau_simulated, "metrics.tau_simulated"),
+    ("train", "held-out simulated τ: best (step) / last", lambda f: _heldout_fact(f.metrics.heldout), "metrics.heldout"),
+    ("train", "held-out simulated τ of speculative sampling (best drafter)", lambda f: _sampled_fact(f.metrics.heldout),
+     "metrics.heldout.best_tau_sampled"),
+    ("train", "held-out τ measured by the engine (greedy chain)",
+     lambda f: _engine_fact(f.metrics.heldout.engine if f.metrics.heldout else None), "metrics.heldout.engine"),
+    ("evaluate", "τ (tokens per target verification)", lambda f: f.metrics.tau, "metrics.tau"),
+    ("evaluate", "acceptance per draft position", lambda f: f.metrics.accept_rate_per_position,
+     "metrics.accept_rate_per_position"),
+    ("evaluate", "tokens/s speculative vs plain", _speeds, "metrics.tokens_per_s_spec, metrics.tokens_per_s_plain"),
+    ("evaluate", "measured speedup", lambda f: f.metrics.speedup, "metrics.speedup"),
+    ("evaluate", "decoding path of every speedup (plain and speculative alike)", lambda f: f.metrics.path, "metrics.path"),
+    ("evaluate", "plain decoding, fraction of the memory-bandwidth limit", lambda f: f.metrics.plain_decode_bw_fraction,
+     "metrics.plain_decode_bw_fraction"),
+]
+"""(stage, label, the figure from the stage's figures, the manifest keys it reads): the measured figures of Discoveries."""
 
 
 def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list[dict]:
@@ -514,63 +642,27 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
     facts: list[Optional[dict]] = []
     last = next((s for s in reversed(STAGES) if s in manifests), None)
     if last:
-        m, src = manifests[last], _mf(last)
-        hw = m.get("hardware") or {}
-        facts.append(fact("hardware", f"{hw.get('host')}: " + (", ".join(hw["gpus"]) if hw.get("gpus")
-                                                               else f"CPU, {hw.get('cpu_count')} cores"), f"{src}: hardware"))
-        facts.append(fact("software", ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items()), f"{src}: versions"))
+        head, src = ManifestHead.from_manifest(manifests[last]), _mf(last)
+        hw = head.hardware
+        facts.append(fact("hardware", f"{hw.host}: " + (", ".join(hw.gpus) if hw.gpus else f"CPU, {hw.cpu_count} cores"),
+                          f"{src}: hardware"))
+        facts.append(fact("software", ", ".join(f"{k} {v}" for k, v in head.versions.items()), f"{src}: versions"))
     facts += _target_facts(recipe, run_dir)
-    figures = [
-        ("prepare", "conversations kept / read", lambda m: f"{m['counts'].get('kept')} / {m['counts'].get('read')}"
-         if m["counts"].get("read") is not None else None, "counts.kept, counts.read"),
-        ("prepare", "training tokens (loss tokens)", _token_counts, "counts.tokens, counts.loss_tokens"),
-        ("regenerate", "regenerated conversations kept / tokens (loss tokens): what training read",
-         lambda m: f"{m['counts'].get('kept')} / {t}" if (t := _token_counts(m)) else None,
-         "counts.kept, counts.tokens, counts.loss_tokens"),
-        ("capture", "aux layers captured", lambda m: m.get("aux_layer_ids"), "aux_layer_ids"),
-        ("capture", "capture bytes per token", lambda m: m.get("bytes_per_token"), "bytes_per_token"),
-        ("capture", "capture throughput (tokens/s)", lambda m: m["metrics"].get("capture_tokens_per_s"),
-         "metrics.capture_tokens_per_s"),
-        ("vocab", "draft vocab coverage", lambda m: m["metrics"].get("coverage"), "metrics.coverage"),
-        ("train", "training throughput (tokens/s)", lambda m: m["metrics"].get("tokens_per_s"), "metrics.tokens_per_s"),
-        ("train", "final loss", lambda m: m["metrics"].get("loss"), "metrics.loss"),
-        ("train", "train accuracy per TTT position", lambda m: m["metrics"].get("acc_per_position"), "metrics.acc_per_position"),
-        ("train", "simulated τ", lambda m: m["metrics"].get("tau_simulated"), "metrics.tau_simulated"),
-        ("train", "held-out simulated τ: best (step) / last",
-         lambda m: f"{h['best_tau_simulated']:.3g} (step {h['best_step']}) / {h['last_tau_simulated']:.3g} on "
-                   f"{h['samples']:,} held-out samples" if (h := m["metrics"].get("heldout")) else None, "metrics.heldout"),
-        ("train", "held-out simulated τ of speculative sampling (best drafter)",
-         lambda m: f"{h['best_tau_sampled']:.3g} at temperature {h['sample_temperature']:g}"
-                   + (" (train.keep_best: sampled, train/best chosen by it)" if h.get("best_by") == "sampled" else "")
-         if (h := m["metrics"].get("heldout")) and h.get("best_tau_sampled") is not None else None, "metrics.heldout.best_tau_sampled"),
-        ("train", "held-out τ measured by the engine (greedy chain)", lambda m: _engine_fact((m["metrics"].get("heldout") or {}).get("engine")),
-         "metrics.heldout.engine"),
-        ("evaluate", "τ (tokens per target verification)", lambda m: m["metrics"].get("tau"), "metrics.tau"),
-        ("evaluate", "acceptance per draft position", lambda m: m["metrics"].get("accept_rate_per_position"),
-         "metrics.accept_rate_per_position"),
-        ("evaluate", "tokens/s speculative vs plain", lambda m: f"{_fmt('', m['metrics']['tokens_per_s_spec'])} vs "
-         f"{_fmt('', m['metrics']['tokens_per_s_plain'])}" if m["metrics"].get("tokens_per_s_spec") is not None
-         and m["metrics"].get("tokens_per_s_plain") is not None else None,
-         "metrics.tokens_per_s_spec, metrics.tokens_per_s_plain"),
-        ("evaluate", "measured speedup", lambda m: m["metrics"].get("speedup"), "metrics.speedup"),
-        ("evaluate", "decoding path of every speedup (plain and speculative alike)", lambda m: m["metrics"].get("path"),
-         "metrics.path"),
-        ("evaluate", "plain decoding, fraction of the memory-bandwidth limit",
-         lambda m: m["metrics"].get("plain_decode_bw_fraction"), "metrics.plain_decode_bw_fraction"),
-    ]
-    for stage, label, get, key in figures:
-        if stage in manifests:
-            facts.append(fact(label, get(manifests[stage]), f"{_mf(stage)}: {key}"))
+    figures = {s: read_figures(s, m) for s, m in manifests.items()}
+    for stage, label, get, key in FIGURE_FACTS:
+        if stage in figures:
+            facts.append(fact(label, get(figures[stage]), f"{_mf(stage)}: {key}"))
     if "evaluate" in manifests:
-        ev = manifests["evaluate"]
-        for name, m in sorted(((ev.get("metrics") or {}).get("methods") or {}).items()):  # EAGLE-3 chain/tree vs n-gram
-            facts.append(fact(f"{name}: τ / speedup / tokens/s", f"{_fmt('', m.get('tau'))} / {_fmt('', m.get('speedup'))}x / "
-                              f"{_fmt('', m.get('tokens_per_s'))}", f"{_mf('evaluate')}: metrics.methods.{name}"))
-        for key, v in sorted((ev.get("metrics") or {}).items()):  # older manifests: ngram_* keys
+        ev_m = manifests["evaluate"]
+        for name, row in sorted(figures["evaluate"].metrics.methods.items()):  # EAGLE-3 chain/tree vs n-gram
+            facts.append(fact(f"{name}: τ / speedup / tokens/s", f"{_fmt('', row.tau)} / {_fmt('', row.speedup)}x / "
+                              f"{_fmt('', row.tokens_per_s)}", f"{_mf('evaluate')}: metrics.methods.{name}"))
+        legacy = _get(ev_m, "metrics")
+        for key, v in sorted((legacy if isinstance(legacy, dict) else {}).items()):  # older manifests: ngram_* keys
             if "ngram" in key:
                 facts.append(fact(f"n-gram {key.replace('ngram', '').strip('_').replace('_', ' ') or 'baseline'}", v,
                                   f"{_mf('evaluate')}: metrics.{key}"))
-        facts += _prediction_facts(run_dir, ev)
+        facts += _prediction_facts(run_dir, ev_m)
     probe = run_dir / "probe" / "results.json"
     if probe.exists():
         try:
@@ -589,23 +681,26 @@ def collect(run_dir: str | Path) -> dict:
     if not run_dir.is_dir():
         raise DraftsmithError(f"{run_dir}: no such run directory; give the run_dir of a recipe (runs/NAME)")
     recipe = _read_recipe(run_dir)
-    events = Ledger(run_dir).read()
+    events, ledger_problems = read_events(Ledger(run_dir).read())
     # regenerate is optional: shown only when the run has used it; capture is skipped with train.online
-    optional = {"regenerate"} | ({"capture"} if (recipe.get("train") or {}).get("online") else set())
+    optional = {"regenerate"} | ({"capture"} if _get(recipe, "train.online") else set())
     stages = [stage_state(run_dir, s, events) for s in STAGES if s not in optional or stage_dir(run_dir, s).exists()]
     for s in stages:
         s["fix_hint"] = fix_hint(s["error"], run_dir / RECIPE_FILE) if s["state"] == "failed" else None
     manifests = _manifests(run_dir)
     found = findings(recipe, manifests)
+    malformed = [malformed_line(LEDGER, ledger_problems, "status read the rest")] + [s["malformed"] for s in stages]
+    goal = recipe.get("goal")
     return {
-        "run_dir": str(run_dir), "name": recipe.get("name", run_dir.name),
-        "goal": recipe.get("goal"), "goal_source": "recipe.yaml: goal",
+        "run_dir": str(run_dir), "name": str(recipe.get("name", run_dir.name)),
+        "goal": None if goal is None else str(goal), "goal_source": "recipe.yaml: goal",
         "generated_at": time.time(),
         "instructions": instructions(recipe),
         "discoveries": discoveries(run_dir, recipe, manifests),
         "findings": found,
         "stages": stages, "next_step": next_step(stages, run_dir, recipe, found, manifests.get("evaluate")),
         "relevant_files": [f for f in RELEVANT_FILES if (run_dir / f).exists()],
+        "malformed": [line for line in malformed if line],
     }
 
 
@@ -613,11 +708,14 @@ def collect(run_dir: str | Path) -> dict:
 
 
 def _when(t: Optional[float]) -> str:
-    return "-" if not t else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+    try:
+        return "-" if not t else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+    except (OverflowError, ValueError, OSError):  # a hand-edited time past the calendar
+        return "-"
 
 
 def _dur(s: Optional[float]) -> str:
-    if s is None:
+    if s is None or not math.isfinite(s):
         return "-"
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -669,7 +767,7 @@ def _section_stages(st: dict, notes: Footnotes) -> str:
                 + notes.mark(f"{LEDGER}: stage_refused")
         rows.append(f"| {s['stage']} | {ICONS[s['state']]} {s['state']} | {_when(s['started_at'])} | "
                     f"{_dur(s['seconds'])} | {figures.replace('|', '/')} |")
-    return "\n".join(rows)
+    return "\n".join(rows + [""] * bool(st.get("malformed")) + [f"- malformed: {line}" for line in st.get("malformed") or []])
 
 
 def _section_files(st: dict, notes: Footnotes) -> Optional[str]:
@@ -717,6 +815,7 @@ def to_brief(st: dict) -> str:
     for s in st["stages"]:
         detail = s["error"] if s["state"] == "failed" else figures_text(s["figures"])
         lines.append(f"{ICONS[s['state']]} {s['stage']:<9} {_dur(s['seconds']):>7}  {detail}".rstrip())
+    lines += [f"malformed: {line}" for line in st.get("malformed") or []]
     lines.append(f"next: {st['next_step']['text']}")
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ from .messages import DraftsmithError, log
 from .rundir import RECIPE_FILE, rerun_command, stage_dir, token_stage
 from .config import Recipe, check_recipe
 from .draft.vocab import VOCAB_FILE, draft_ids
+from .figures.vocab import VocabCounts, VocabFigures, VocabMetrics
 from .target.model import read_text_config
 
 COUNTS_FILE = "token_counts.safetensors"
@@ -91,10 +92,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     log(f"[vocab] {size} of {V} tokens cover {coverage:.2%} of {total} loss tokens "
         f"({int((counts > 0).sum())} distinct seen)")
 
-    manifest["draft_vocab_size"] = size
-    manifest["target_vocab_size"] = V
+    figures = VocabFigures(draft_vocab_size=size, target_vocab_size=V,
+                           counts=VocabCounts(loss_tokens=total, distinct_tokens=int((counts > 0).sum()), draft_vocab_size=size),
+                           metrics=VocabMetrics(coverage=coverage, draft_vocab_size=size))
+    manifest.update(figures.to_dict())
     manifest["files"] = [{"file": VOCAB_FILE, "sha256": sha}]
-    manifest["counts"] = {"loss_tokens": total, "distinct_tokens": int((counts > 0).sum()), "draft_vocab_size": size}
-    manifest["metrics"] = {"coverage": coverage, "draft_vocab_size": size}
     manifest["timings"]["wall_s"] = round(time.time() - t0, 3)
     return finish_manifest(out_dir, manifest)

@@ -27,6 +27,7 @@ from ..config import EvaluateConfig, Recipe, check_recipe
 from ..data.conversations import conversation_keys, conversation_of
 from ..data.readers import Prompt, load_prompts, resolve_source
 from ..data.shards import source_ids
+from ..figures.evaluate import EvaluateCounts, EvaluateFigures, EvaluateMetrics, MethodRow
 from ..speculate.cache import CAPTURE_FALLBACKS, seeded_generator
 from ..speculate.methods import DecodeRunners, load_models, prompt_budget
 from ..target.model import eos_token_ids
@@ -128,35 +129,35 @@ def per_round_rates(method_summary: dict) -> list:
 
 
 def manifest_figures(summary: dict, cfg, methods: list[str], too_long: int, batches: int, path: str,
-                     fallbacks: int) -> tuple[dict, dict]:
+                     fallbacks: int) -> tuple[EvaluateCounts, EvaluateMetrics]:
     """The manifest's counts and metrics (what `status` and `plan` read) from the summary."""
     # The headline figures: EAGLE-3 chain (the planner's per-position profile is a chain's).
     main = next((m for m in ("eagle3_chain", "eagle3_tree", "ngram") if m in methods), None)
     o = summary["methods"][main]["overall"] if main else {}
-    counts = {"prompts": summary["plain"]["prompts"], "prompts_too_long": too_long,
-              "plain_new_tokens": summary["plain"]["new_tokens"], "batches": batches,
-              "near_tie_divergences": sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
-                                          for s in summary["methods"].values())}
-    metrics = {
-        "method": main, "tau": o.get("tau"),
-        "tau_per_benchmark": {b: s["tau"] for b, s in summary["methods"][main]["per_benchmark"].items()} if main else {},
-        "accept_rate_per_position": summary["methods"][main]["per_position"]["accept_rate"] if main else [],
-        "accept_rate_per_position_unconditional":
+    counts = EvaluateCounts(prompts=summary["plain"]["prompts"], prompts_too_long=too_long,
+                            plain_new_tokens=summary["plain"]["new_tokens"], batches=batches,
+                            near_tie_divergences=sum((s.get("lossless") or {}).get("near_tie_divergences", 0)
+                                                     for s in summary["methods"].values()))
+    metrics = EvaluateMetrics(
+        method=main, tau=o.get("tau"),
+        tau_per_benchmark={b: s["tau"] for b, s in summary["methods"][main]["per_benchmark"].items()} if main else {},
+        accept_rate_per_position=summary["methods"][main]["per_position"]["accept_rate"] if main else [],
+        accept_rate_per_position_unconditional=
             summary["methods"][main]["per_position"]["accept_rate_unconditional"] if main else [],
-        "accept_rate_per_position_by_method": {m: s["per_position"]["accept_rate"] for m, s in summary["methods"].items()
-                                               if "per_position" in s},
+        accept_rate_per_position_by_method={m: s["per_position"]["accept_rate"] for m, s in summary["methods"].items()
+                                            if "per_position" in s},
         # over every round, those that drafted nothing counted as rejected at depth 1 (prompt lookup often
         # finds no match): E = 1 + sum_j prod_{i<=j} a_i gives the method's tau, what `plan` needs of n-gram
-        "accept_rate_per_position_per_round_by_method": {m: per_round_rates(s) for m, s in summary["methods"].items()
-                                                         if "per_position" in s},
-        "tokens_per_s_spec": o.get("tokens_per_s_spec"), "tokens_per_s_plain": summary["plain"]["tokens_per_s"],
-        "speedup": o.get("speedup"), "num_prompts": counts["prompts"], "draft_steps": cfg.draft_steps,
-        "path": path, "capture_fallbacks": fallbacks,
-        "plain_decode_bw_fraction": (summary["roofline"] or {}).get("fraction_of_measured_bw"),
-        "plain_decode_bw_fraction_nominal": (summary["roofline"] or {}).get("fraction_of_nominal_bw"),
-        "methods": {m: {"tau": s["overall"]["tau"], "speedup": s["overall"]["speedup"],
-                        "tokens_per_s": s["overall"]["tokens_per_s_spec"]} for m, s in summary["methods"].items()},
-        "batches": {B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()}}
+        accept_rate_per_position_per_round_by_method={m: per_round_rates(s) for m, s in summary["methods"].items()
+                                                      if "per_position" in s},
+        tokens_per_s_spec=o.get("tokens_per_s_spec"), tokens_per_s_plain=summary["plain"]["tokens_per_s"],
+        speedup=o.get("speedup"), num_prompts=counts.prompts, draft_steps=cfg.draft_steps,
+        path=path, capture_fallbacks=fallbacks,
+        plain_decode_bw_fraction=(summary["roofline"] or {}).get("fraction_of_measured_bw"),
+        plain_decode_bw_fraction_nominal=(summary["roofline"] or {}).get("fraction_of_nominal_bw"),
+        methods={m: MethodRow(tau=s["overall"]["tau"], speedup=s["overall"]["speedup"],
+                              tokens_per_s=s["overall"]["tokens_per_s_spec"]) for m, s in summary["methods"].items()},
+        batches={B: {m: a["speedup"] for m, a in row["methods"].items()} for B, row in summary["batches"].items()})
     return counts, metrics
 
 
@@ -359,16 +360,15 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
             print(f"temperature {T:g}" + (" (served: evaluate.temperature)" if T == float(cfg.temperature) else ""))
         print_table(table_rows(m[0]))
 
-    manifest["counts"], manifest["metrics"] = manifest_figures(summary, cfg, methods, len(too_long), len(batch_records),
-                                                               runners.mode, len(all_fallbacks))
-    manifest["metrics"]["temperature"] = cfg.temperature
+    counts, metrics = manifest_figures(summary, cfg, methods, len(too_long), len(batch_records), runners.mode,
+                                       len(all_fallbacks))
+    metrics.temperature = cfg.temperature
     if len(temps) > 1:
-        manifest["metrics"]["by_temperature"] = {
+        metrics.by_temperature = {
             f"{T:g}": manifest_figures(m[0], replace(cfg, temperature=T), methods, len(m[3]), len(m[2]), runners.mode,
-                                       len(m[4]))[1]["methods"] for T, m in measured.items()}
-    manifest["counts"]["prompts_in_training"] = in_training
-    if step_costs:
-        manifest["step_costs"] = step_costs
+                                       len(m[4]))[1].methods for T, m in measured.items()}
+    counts.prompts_in_training = in_training
+    manifest.update(EvaluateFigures(counts=counts, metrics=metrics, step_costs=step_costs or None).to_dict())
     manifest["timings"] = {"plain_s": sum(m[0]["plain"]["plain_s"] for m in measured.values()),
                            **{f"{k}_s": sum(m[0]["methods"][k]["overall"]["spec_s"] for m in measured.values())
                               for k in summary["methods"]}}

@@ -15,6 +15,7 @@ from ..messages import log
 from ..rundir import RECIPE_FILE
 from ..config import Recipe, check_recipe
 from ..draft.io import read_drafter_config
+from ..figures.export import ExportCounts, ExportFigures, ExportedFormat
 from .sglang import export_sglang
 from .vllm import export_vllm
 
@@ -29,7 +30,7 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                                                 "drafter_sha256": sha256_file(drafter_dir / "model.safetensors")})
     out_dir.mkdir(parents=True, exist_ok=True)
     write_manifest(out_dir, manifest)
-    manifest["formats"] = {}
+    formats: dict[str, ExportedFormat] = {}
     for fmt in cfg.formats:  # each format is a few seconds of work: redone whole on resume
         if fmt == "sglang":
             files = export_sglang(drafter_dir, recipe.target.path, out_dir / "sglang", cfg.dtype, cfg.with_embeddings,
@@ -37,10 +38,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
         else:
             files = export_vllm(drafter_dir, recipe.target.path, out_dir / "vllm", cfg.dtype, cfg.verifier,
                                 cfg.num_speculative_tokens, cfg.with_embeddings, recipe.target.trust_remote_code)
-        manifest["formats"][fmt] = {"dir": fmt, "files": files}
+        formats[fmt] = ExportedFormat(dir=fmt, files=files)
         log(f"[export] {fmt}: {out_dir / fmt} ({sum(f['bytes'] for f in files) / 2**20:.1f} MiB, {cfg.dtype})")
     if read_drafter_config(drafter_dir / "config.json").norm_output:
         log("[export] norm_output (EAGLE-3.1) is on: serve with a vLLM that has vllm-project/vllm#46488 or an SGLang with "
             "EAGLE-3.1; an older release ignores the key and drafts worse without an error (docs/serving.md)")
-    manifest["counts"] = {"formats": len(cfg.formats)}
+    manifest.update(ExportFigures(formats=formats, counts=ExportCounts(formats=len(cfg.formats))).to_dict())
     return finish_manifest(out_dir, manifest)

@@ -27,6 +27,7 @@ from ..rundir import rerun_command, stage_dir, token_stage
 from ..config import Recipe
 from ..distributed.group import barrier, from_rank0, init_distributed, rank_device
 from ..data.shards import bytes_per_token, read_shard, write_shard
+from ..figures.capture import CaptureCounts
 from .model import load_target
 from .online import capture_samples
 
@@ -78,9 +79,9 @@ def _merge(m: dict, entries: dict[str, dict], order: list[str]) -> None:
     m["shards"] = [entries[n] for n in order if n in entries]
     m["verified"] = {n: v for n, v in sorted(m.get("verified", {}).items())
                      if n in entries and v.get("sha256") == entries[n]["sha256"]}
-    m["counts"] = {"samples": sum(s["num_samples"] for s in m["shards"]),
-                   "tokens": sum(s["num_tokens"] for s in m["shards"]),
-                   "rejected_nonfinite": sum(s.get("rejected_nonfinite", 0) for s in m["shards"])}
+    m["counts"] = CaptureCounts(samples=sum(s["num_samples"] for s in m["shards"]),
+                                tokens=sum(s["num_tokens"] for s in m["shards"]),
+                                rejected_nonfinite=sum(s.get("rejected_nonfinite", 0) for s in m["shards"])).to_dict()
 
 
 def skip_reason(recipe: Recipe) -> str | None:

@@ -23,6 +23,7 @@ from ..messages import log
 from ..distributed.group import DistInfo, barrier, is_sharded
 from ..draft.io import save_drafter
 from ..draft.model import Eagle3Drafter
+from ..figures.train import Budget, TrainCounts, TrainFigures, TrainMetrics
 from .heldout import engine_prompts, engine_record, heldout_record
 from .state import Progress, read_json_safe
 from .ttt import TTTLoss, simulated_tau
@@ -158,36 +159,37 @@ def finish(t, prog: Progress, stopped: str, window: deque, evals: list[dict], wa
     manifest["output_fingerprint"] = fingerprint(t.fp, sha)  # downstream reruns when a continued run changed the drafter
     manifest["drafter"] = {"dir": "drafter", "sha256": sha, "config": asdict(t.cfg),
                            "from": f"best held-out {t.best_figure[2]} (step {best_rec['step']})" if best_rec else f"last step ({step})"}
-    manifest["device"], manifest["compute_dtype"] = device.type, str(t.compute_dtype).replace("torch.", "")
-    manifest["world_size"] = info.world_size
-    manifest["stopped"] = stopped  # steps: the planned step count (max_steps / max_tokens / epochs); budget: max_minutes
-    manifest["budget"] = {"max_tokens": tc.max_tokens, "max_minutes": tc.max_minutes, "total_steps": t.total_steps,
-                          "train_s": train_s}
-    manifest["counts"] = {"steps": step, "skipped_nonfinite": prog.skipped, "samples": len(t.train_ids),
-                          "samples_heldout": len(t.heldout_ids), "samples_dropped": t.index.dropped,
-                          "tokens_per_epoch": sum(t.train_lengths), "batches_per_epoch": len(t.plan_of(prog.epoch)),
-                          "micro_batches_per_step": t.micro_per_step, "epochs_started": prog.epoch + 1,
-                          "batch_layout": tc.batch_layout, "micro_batch_tokens": t.micro_tokens}
-    manifest["metrics"] = {"loss": w["loss"], "acc_per_position": w["acc"], "tau_simulated": w["tau"],
-                           "tokens_per_s": tokens_per_s, "steps": step, "window_steps": len(window),
-                           "mfu": tokens_per_s * t.flops_per_token / (t.peak * info.world_size) if t.peak and tokens_per_s else None,
-                           "peak_memory_gib": round(peak_memory_gib(device), 3), "train_flops_per_token": t.flops_per_token}
+    heldout = None
     if best_rec:
         held = t.heldout_ids
-        manifest["metrics"]["heldout_tau_simulated_best"] = best_rec["tau_simulated"]
-        manifest["metrics"]["heldout"] = heldout_record(evals, best_rec, len(held), len({t.conversations[j] for j in held}),
-                                                       t.tc.keep_best)
-        manifest["best"] = {"dir": "best", **best_rec}
+        heldout = heldout_record(evals, best_rec, len(held), len({t.conversations[j] for j in held}), t.tc.keep_best)
         if tc.heldout_engine_prompts > 0:
             t0 = time.time()
             prompts = engine_prompts(t.conversations, t.index.input_ids, t.index.loss_mask, held)
-            eng = engine_record(t.recipe, out_dir / "drafter", prompts, t.source.target if t.source.online else None)
-            manifest["metrics"]["heldout"]["engine"] = eng
+            eng = heldout.engine = engine_record(t.recipe, out_dir / "drafter", prompts,
+                                                 t.source.target if t.source.online else None)
             manifest["timings"]["heldout_engine_s"] = round(time.time() - t0, 3)
-            log(f"[train] held-out tau measured by the engine {eng['tau_chain']:.3f} on {eng['prompts']} held-out prompts "
-                f"(greedy chain, depth {eng['depth']}, {eng['max_new_tokens']} new tokens, {time.time() - t0:.1f} s); "
-                f"held-out simulated tau of this drafter {best_rec['tau_simulated']:.3f}" if "skipped" not in eng
-                else f"[train] held-out tau by the engine skipped: {eng['skipped']}")
+            log(f"[train] held-out tau measured by the engine {eng.tau_chain:.3f} on {eng.prompts} held-out prompts "
+                f"(greedy chain, depth {eng.depth}, {eng.max_new_tokens} new tokens, {time.time() - t0:.1f} s); "
+                f"held-out simulated tau of this drafter {best_rec['tau_simulated']:.3f}" if eng.skipped is None
+                else f"[train] held-out tau by the engine skipped: {eng.skipped}")
+    figures = TrainFigures(
+        device=device.type, compute_dtype=str(t.compute_dtype).replace("torch.", ""), world_size=info.world_size,
+        stopped=stopped,
+        budget=Budget(max_tokens=tc.max_tokens, max_minutes=tc.max_minutes, total_steps=t.total_steps, train_s=train_s),
+        counts=TrainCounts(steps=step, skipped_nonfinite=prog.skipped, samples=len(t.train_ids),
+                           samples_heldout=len(t.heldout_ids), samples_dropped=t.index.dropped,
+                           tokens_per_epoch=sum(t.train_lengths), batches_per_epoch=len(t.plan_of(prog.epoch)),
+                           micro_batches_per_step=t.micro_per_step, epochs_started=prog.epoch + 1,
+                           batch_layout=tc.batch_layout, micro_batch_tokens=t.micro_tokens),
+        metrics=TrainMetrics(loss=w["loss"], acc_per_position=w["acc"], tau_simulated=w["tau"], tokens_per_s=tokens_per_s,
+                             steps=step, window_steps=len(window),
+                             mfu=tokens_per_s * t.flops_per_token / (t.peak * info.world_size) if t.peak and tokens_per_s else None,
+                             peak_memory_gib=round(peak_memory_gib(device), 3), train_flops_per_token=t.flops_per_token,
+                             heldout_tau_simulated_best=best_rec["tau_simulated"] if best_rec else None, heldout=heldout))
+    manifest.update(figures.to_dict())
+    if best_rec:
+        manifest["best"] = {"dir": "best", **best_rec}
     manifest["timings"]["train_s_this_session"] = round(wall, 3)
     log(f"[train] done: {step} steps, loss {w['loss']:.4f}, acc {' '.join(f'{a:.2f}' for a in w['acc'])}, "
         f"simulated tau {w['tau']:.2f}; drafter in {out_dir / 'drafter'} ({manifest['drafter']['from']})"

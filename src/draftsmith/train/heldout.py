@@ -29,6 +29,7 @@ import torch
 from ..messages import DraftsmithError
 from ..config import Recipe, heldout_sample_temperature
 from ..draft.io import load_drafter
+from ..figures.train import Engine, Heldout, Overfitting
 from ..speculate.methods import decode, load_models, prompt_budget
 from ..target.model import Target, eos_token_ids, load_tokenizer
 from .ttt import simulated_tau
@@ -122,21 +123,23 @@ def overfitting(evals: Sequence[dict], key: str = "tau") -> Optional[dict]:
             "train_from": best["train_tau"], "train_to": last["train_tau"]}
 
 
-def heldout_record(evals: Sequence[dict], best: dict, samples: int, conversations: int, keep_best: str = "greedy") -> dict:
+def heldout_record(evals: Sequence[dict], best: dict, samples: int, conversations: int, keep_best: str = "greedy") -> Heldout:
     """manifest["metrics"]["heldout"]: what status.py shows and its findings read. `best` is
     train/best/best.json (the drafter kept, by train.keep_best's figure)."""
     last = evals[-1] if evals else {}
     by_sampled = best_of([e for e in evals if e.get("tau_sampled") is not None], "tau_sampled") or {}
-    return {"samples": samples, "conversations": conversations, "evaluations": len(evals), "best_by": keep_best,
-            "best_step": best.get("step"), "best_tau_simulated": best.get("tau_simulated"),
-            "best_acc_per_position": best.get("acc"), "best_tau_sampled": best.get("tau_sampled"),
-            "best_accept_sampled_per_position": best.get("accept_sampled"), "sample_temperature": best.get("sample_temperature"),
-            "last_step": last.get("step"), "last_tau_simulated": last.get("tau"), "last_acc_per_position": last.get("acc"),
-            "last_tau_sampled": last.get("tau_sampled"),
-            # the evaluation keep_best sampled would keep (status names it when evaluate samples and it differs)
-            "sampled_best_step": by_sampled.get("step"), "sampled_best_tau": by_sampled.get("tau_sampled"),
-            "still_improving": bool(evals) and best.get("step") == last.get("step"),
-            "overfitting": overfitting(evals, BEST_FIGURES[keep_best][0])}
+    over = overfitting(evals, BEST_FIGURES[keep_best][0])
+    return Heldout(samples=samples, conversations=conversations, evaluations=len(evals), best_by=keep_best,
+                   best_step=best.get("step"), best_tau_simulated=best.get("tau_simulated"),
+                   best_acc_per_position=best.get("acc"), best_tau_sampled=best.get("tau_sampled"),
+                   best_accept_sampled_per_position=best.get("accept_sampled"),
+                   sample_temperature=best.get("sample_temperature"),
+                   last_step=last.get("step"), last_tau_simulated=last.get("tau"), last_acc_per_position=last.get("acc"),
+                   last_tau_sampled=last.get("tau_sampled"),
+                   # the evaluation keep_best sampled would keep (status names it when evaluate samples and it differs)
+                   sampled_best_step=by_sampled.get("step"), sampled_best_tau=by_sampled.get("tau_sampled"),
+                   still_improving=bool(evals) and best.get("step") == last.get("step"),
+                   overfitting=Overfitting(**over) if over else None)
 
 
 def plot_learning_curve(evals: Sequence[dict], steps: Sequence[dict], key: str = "tau") -> bytes:
@@ -198,7 +201,7 @@ def engine_prompts(conversations: Sequence[Hashable], input_ids: Sequence[torch.
 
 
 def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[int]]], count: int, depth: int,
-               evaluate_cfg, eos_ids: list[int]) -> dict:
+               evaluate_cfg, eos_ids: list[int]) -> Engine:
     """The engine's tau on the first `count` prompts that fit the target's positions: evaluate's
     greedy EAGLE-3 chain (speculate.methods.decode, batch 1, eager) drafting `depth` tokens per round,
     ENGINE_MAX_NEW_TOKENS new tokens per prompt; tau = emitted tokens / target verifications,
@@ -207,30 +210,29 @@ def engine_tau(target: Target, drafter, prompts: Sequence[tuple[Hashable, list[i
     budget = prompt_budget(target, cfg, ["eagle3_chain"])
     used = [(key, ids) for key, ids in prompts if budget is None or len(ids) <= budget][:count]
     if not used:
-        return {"skipped": f"no held-out prompt fits the target's positions with {ENGINE_MAX_NEW_TOKENS} new tokens"}
+        return Engine(skipped=f"no held-out prompt fits the target's positions with {ENGINE_MAX_NEW_TOKENS} new tokens")
     emitted, rounds = 0, 0
     for _, ids in used:
         _, [stats] = decode(target, drafter, "eagle3_chain", [ids], cfg, eos_ids)
         emitted += sum(stats.emitted_per_round)
         rounds += stats.rounds
     if not rounds:  # every answer ended at the token prefill gave: no round to measure
-        return {"skipped": f"no speculative round ran on {len(used)} held-out prompt(s): each answer ended at its first token"}
-    return {"tau_chain": emitted / rounds, "prompts": len(used), "depth": depth,
-            "max_new_tokens": ENGINE_MAX_NEW_TOKENS, "emitted": emitted, "rounds": rounds,
-            "conversations": [key for key, _ in used]}
+        return Engine(skipped=f"no speculative round ran on {len(used)} held-out prompt(s): each answer ended at its first token")
+    return Engine(tau_chain=emitted / rounds, prompts=len(used), depth=depth, max_new_tokens=ENGINE_MAX_NEW_TOKENS,
+                  emitted=emitted, rounds=rounds, conversations=[key for key, _ in used])
 
 
 def engine_record(recipe: Recipe, drafter_dir: Path, prompts: Sequence[tuple[Hashable, list[int]]],
-                  online_target: Optional[Target]) -> dict:
+                  online_target: Optional[Target]) -> Engine:
     """metrics.heldout.engine: engine_tau of the drafter in drafter_dir, on the target training ran
     (online) or, offline, the target loaded as evaluate loads it (speculate.methods.load_models);
-    depth = train.ttt_steps capped by evaluate.draft_steps. {"skipped": reason} when the target
+    depth = train.ttt_steps capped by evaluate.draft_steps. Engine(skipped=reason) when the target
     cannot be loaded, the decoding fails (out of memory, too few positions) or no prompt is
     usable: the drafter is written by then, and a rerun would only meet the same failure."""
     count = int(recipe.train.heldout_engine_prompts)
     depth = min(int(recipe.train.ttt_steps), int(recipe.evaluate.draft_steps))
     if not prompts:
-        return {"skipped": "no held-out sample has prompt tokens before its first loss token"}
+        return Engine(skipped="no held-out sample has prompt tokens before its first loss token")
     try:
         if online_target is not None:
             target = online_target
@@ -240,8 +242,8 @@ def engine_record(recipe: Recipe, drafter_dir: Path, prompts: Sequence[tuple[Has
         else:
             target, drafter = load_models(recipe, drafter_dir)
     except (DraftsmithError, OSError, torch.OutOfMemoryError) as e:
-        return {"skipped": f"target not loaded: {' '.join(str(e).split())[:300]}"}
+        return Engine(skipped=f"target not loaded: {' '.join(str(e).split())[:300]}")
     try:
         return engine_tau(target, drafter, prompts, count, depth, recipe.evaluate, eos_token_ids(target))
     except (DraftsmithError, torch.OutOfMemoryError) as e:  # e.g. positions too few for the new tokens, memory
-        return {"skipped": f"not measured: {' '.join(str(e).split())[:300]}"}
+        return Engine(skipped=f"not measured: {' '.join(str(e).split())[:300]}")

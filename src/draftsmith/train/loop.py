@@ -59,6 +59,7 @@ from ..config import Recipe, check_recipe, heldout_sample_temperature
 from ..distributed.group import DistInfo, all_reduce_sum, barrier, full_tensor, init_distributed, is_sharded
 from ..draft.build import drafter_config, init_drafter
 from ..draft.model import Eagle3Config
+from ..figures.train import TrainFigures
 from ..draft.vocab import VOCAB_FILE, draft_ids, load_vocab
 from ..target.model import read_target_embeddings, resolve_dtype
 from .checkpoint import find_latest, save_checkpoint
@@ -94,11 +95,12 @@ def budget_verdict(manifest: dict, recipe: Recipe) -> tuple[str, str]:
     old_s = 60.0 * float(((manifest.get("config") or {}).get("train") or {}).get("max_minutes", 0.0))
     if new_s == old_s:
         return "done", ""
-    spent = (manifest.get("budget") or {}).get("train_s")
+    figures = TrainFigures.from_manifest(manifest)
+    spent = figures.budget.train_s
     if spent is None:  # no record of the time spent
         return "restart", f"train.max_minutes changed from {old_s / 60:g} to {new_s / 60:g}"
     spent_txt = f"{spent / 60:.2f} min spent"
-    if manifest.get("stopped") == "budget":
+    if figures.stopped == "budget":
         if not new_s or new_s > spent:
             return "continue", (f"train.max_minutes {new_s / 60:g} is past the {old_s / 60:g} min budget that stopped it "
                                 f"({spent_txt}): continuing from its last checkpoint")
