@@ -397,3 +397,24 @@ def test_hybrid_lossless_and_both_branches_accept(target, fitted, batch):
     new, stats = generate(target, oracle, prompts, 24, depth=4)
     assert new == plains
     assert any(4 in s.accepted_per_round for s in stats)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hybrid_trusting_a_long_lookup_match_skips_the_drafter_and_stays_lossless(target, fitted, batch):
+    """evaluate.hybrid_trust_ngram: a round whose lookup matched that many tokens and filled its
+    length verifies the lookup alone (no drafter nodes in that sequence's tree); the other rounds hold
+    both; greedy output equals plain decoding either way, and trusting drafts fewer nodes in all."""
+    from draftsmith.speculate.hybrid import HybridProposer
+    prompts = [PROMPTS[2] * 3, PROMPTS[0], PROMPTS[1] * 4][:batch]
+    plains = [plain_generate(target, p, 24) for p in prompts]
+
+    def run(trust):
+        h = HybridProposer(Eagle3Proposer(fitted, topk=3, budget=8), PerSequence([NgramProposer() for _ in prompts]),
+                           drafter_depth=3, ngram_depth=4, trust_ngram=trust)
+        return generate(target, h, prompts, 24, depth=4)
+
+    (both, s_both), (trusted, s_trusted) = run(0), run(1)  # this target seldom repeats: trust any match
+    assert both == plains and trusted == plains
+    lookup_only = [d for s in s_trusted for d in s.drafted_per_round if 0 < d <= 4]
+    assert lookup_only, "some rounds verify the lookup alone"
+    assert sum(map(sum, (s.drafted_per_round for s in s_trusted))) < sum(map(sum, (s.drafted_per_round for s in s_both)))

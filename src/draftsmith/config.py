@@ -372,6 +372,10 @@ class EvaluateConfig:
     ngram_steps: Optional[int] = None
     """Prompt lookup: tokens drafted per verification; unset: draft_steps. The baseline's own setting,
     so that evaluating a drafter at its trained depth does not shorten n-gram's drafts too."""
+    hybrid_trust_ngram: int = 0
+    """The hybrid method: a round whose prompt lookup matched at least this many tokens and filled its
+    draft length verifies the lookup alone (the drafter drafts no tree; its feed still runs), so a
+    round that copies pays no drafter. 0: the drafter drafts every round (both in one tree)."""
     temperature: float = 0.0
     """0 = greedy (lossless check applies); > 0 samples, verified by speculative rejection sampling.
     The temperature you serve at: the headline figures, `status` and train.keep_best use it."""
@@ -570,6 +574,7 @@ def _limits(recipe: "Recipe") -> list[tuple[str, object, Optional[float], Option
         ("evaluate.tree_depth", e.tree_depth, 1, MAX_DRAFT_STEPS, False), ("evaluate.tree_topk", e.tree_topk, 1, 64, False),
         ("evaluate.tree_budget", e.tree_budget, 1, 4096, False), ("evaluate.ngram_max", e.ngram_max, 1, 64, False),
         ("evaluate.ngram_steps", e.ngram_steps, 1, MAX_DRAFT_STEPS, True),
+        ("evaluate.hybrid_trust_ngram", e.hybrid_trust_ngram, 0, 64, False),
         ("evaluate.temperature", e.temperature, 0, 100, False),
         *((f"evaluate.batch_sizes[{i}]", b, 1, 4096, False) for i, b in enumerate(e.batch_sizes)),
         ("export.num_speculative_tokens", x.num_speculative_tokens, 1, MAX_DRAFT_STEPS, False),

@@ -90,7 +90,7 @@ def hash_bytes(b: bytes) -> str:
 
 ADDED_KEYS = {"train.ttt_align_topk": 0, "train.ttt_target_temperature": 1.0, "train.keep_best": "greedy",
               "regenerate.max_turns": None, "evaluate.temperatures": None,
-              "evaluate.verify_gemm": "cublas"}
+              "evaluate.verify_gemm": "cublas", "evaluate.hybrid_trust_ngram": 0}
 """Keys added after runs existed, each with the value those runs trained at: fingerprinted only when
 set to another value, so an older complete run stays complete, and a later change of the key's
 default retrains the runs it changes (not only the value of the config's default at the time)."""

@@ -46,9 +46,11 @@ class HybridProposer:
     """A BatchProposer: `drafter` (an Eagle3Proposer, trees or chains) to `drafter_depth`, and one
     n-gram lookup per sequence to `ngram_depth`, grafted into one tree per sequence per round."""
 
-    def __init__(self, drafter: BatchProposer, ngram: PerSequence, drafter_depth: int, ngram_depth: int):
+    def __init__(self, drafter: BatchProposer, ngram: PerSequence, drafter_depth: int, ngram_depth: int,
+                 trust_ngram: int = 0):
         self.drafter, self.ngram = drafter, ngram
         self.drafter_depth, self.ngram_depth = drafter_depth, ngram_depth
+        self.trust_ngram = trust_ngram  # > 0: a sequence whose lookup matched that many tokens and filled its depth drafts no tree
 
     @property
     def max_nodes(self) -> int:
@@ -60,8 +62,10 @@ class HybridProposer:
         self.ngram.start(tokens, outs)
 
     def propose(self, max_depth: list[int]) -> list[DraftTree]:
-        trees = self.drafter.propose([min(d, self.drafter_depth) for d in max_depth])
         chains = self.ngram.propose([min(d, self.ngram_depth) for d in max_depth])
+        trusted = [self.trust_ngram > 0 and len(c.tokens) >= min(d, self.ngram_depth) > 0 and p.matched >= self.trust_ngram
+                   for c, d, p in zip(chains, max_depth, self.ngram.proposers)]
+        trees = self.drafter.propose([0 if t else min(d, self.drafter_depth) for t, d in zip(trusted, max_depth)])
         return [graft(t, c.tokens) for t, c in zip(trees, chains)]
 
     def commit(self, new_tokens, outs) -> None:

@@ -130,7 +130,8 @@ def make_proposer(method: str, drafter, cfg, batch: int, generator=None, runners
         return PerSequence([NgramProposer(cfg.ngram_max) for _ in range(batch)])
     if method == "hybrid":
         return HybridProposer(make_proposer("eagle3_tree", drafter, cfg, batch, generator, runners),
-                              make_proposer("ngram", drafter, cfg, batch), cfg.tree_depth, ngram_depth(cfg))
+                              make_proposer("ngram", drafter, cfg, batch), cfg.tree_depth, ngram_depth(cfg),
+                              cfg.hybrid_trust_ngram)
     raise ValueError(method)
 
 

@@ -15,6 +15,7 @@ class NgramProposer:
             raise ValueError(f"ngram sizes: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
+        self.matched = 0  # the n of the last proposal's match (0: none)
 
     def start(self, tokens, out) -> None:
         self.tokens = list(tokens)
@@ -28,5 +29,7 @@ class NgramProposer:
             tail = t[-n:]
             for i in range(len(t) - n - 1, -1, -1):  # most recent earlier occurrence first
                 if t[i:i + n] == tail:
+                    self.matched = n
                     return t[i + n:i + n + k]
+        self.matched = 0
         return []
