@@ -135,6 +135,36 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
     return sha.hexdigest()
 
 
+def canonicalize_safetensors(path: str | Path) -> None:
+    """Rewrite the header of a safetensors file another library wrote (torch.distributed.checkpoint's
+    HuggingFaceStorageWriter) in the canonical form atomic_save_safetensors writes: its writer puts
+    `__metadata__` in Rust hash order, so the same checkpoint saved twice (a resumed run's, an
+    unbroken run's) differed in its bytes. The header is overwritten in place when its length stays
+    (the usual case: the same keys in another order), else the file is copied behind the new one.
+    Only for a file no reader sees yet: one in a temp folder that replace_dir moves into place."""
+    path = Path(path)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = f.read(n)
+        canon = _canonical_safetensors_header(n.to_bytes(8, "little") + head)
+        if canon[8:] == head:
+            return
+        if len(canon) == 8 + n:
+            f.seek(0)
+            f.write(canon)
+            f.flush()
+            os.fsync(f.fileno())
+            return
+    tmp = aside_path(path, TEMP_FILE_TAG, f"{os.getpid()}-{threading.get_ident()}")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        dst.write(canon)
+        src.seek(8 + n)
+        shutil.copyfileobj(src, dst, 1 << 24)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+
+
 def _canonical_safetensors_header(data: bytes) -> bytes:
     """The 8-byte length and JSON header of `data` (a safetensors file) in one canonical form:
     `__metadata__` first with sorted keys, then the tensors in the order of their data offsets,
