@@ -197,6 +197,35 @@ def test_pipeline_rank0_writes_ledger_and_manifest(tmp_path, fake_stage):
     assert [e["event"] for e in Ledger(recipe.run_dir).read()] == ["stage_started", "stage_finished"]
 
 
+@pytest.mark.parametrize("stage", ["vocab", "evaluate", "export"])
+def test_a_stage_start_removes_temp_files_a_killed_run_left(stage, tmp_path, monkeypatch):
+    """A kill -9 inside an atomic write leaves `.NAME.tmp-PID` beside NAME; the next run of the stage
+    removes it before it starts, also in a subfolder (export/sglang/). vocab, evaluate and export did
+    not (prepare, regenerate, capture and train clear their own); the complete run then kept the file."""
+    from draftsmith.manifests import output_fingerprint
+
+    recipe = _tiny_recipe(tmp_path)
+    out = stage_dir(recipe.run_dir, stage)
+    stale = [out / ".manifest.json.tmp-999999-1", out / "sub" / ".model.safetensors.tmp-999998-2"]
+    seen = []
+
+    def run(recipe, run_dir, fp):
+        seen.extend(p.exists() for p in stale)
+        return finish_manifest(out, new_manifest(stage, fp, {}, {}))
+
+    monkeypatch.setattr(pipeline, "stage_status", lambda run_dir, u: "complete")
+    monkeypatch.setattr(pipeline, "upstream_of", lambda stage, recipe: ())
+    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir, parts=None: "fp")
+    monkeypatch.setitem(pipeline.STAGE_TABLE, stage, dataclasses.replace(pipeline.STAGE_TABLE[stage], run=run, skipped=None))
+    for p in stale:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"half")
+    (out / "keep.json").write_text("{}")
+    assert pipeline.run_stage(stage, recipe)["status"] == "complete"
+    assert seen == [False, False] and (out / "keep.json").exists()
+    assert output_fingerprint(load_manifest(out)) == "fp"
+
+
 def test_pipeline_rank1_runs_but_appends_nothing(tmp_path, fake_stage, rank1):
     recipe = _tiny_recipe(tmp_path)
     run_dir = Path(recipe.run_dir)
