@@ -6,6 +6,8 @@ Each input is written as a ShareGPT .json, a .jsonl and a .jsonl.gz file and rea
 `read_conversations` (and the prompt path `_prompt_turns` for JSONL). Reading may only ever
 yield conversations or raise DraftsmithError with a one-line message; any other exception is a
 bug and atheris stops with the input that caused it. Seeds: tests/badinput/sources/.
+The same check runs in CI with a fixed budget (hypothesis): tests/test_fuzz.py::test_bytes_readers, whose
+found inputs are kept in tests/fuzz_corpus/; put an input this fuzzer finds there too (docs/reliability.md).
 Inputs nested deeper than MAX_DEPTH are not fed (the readers skip them unparsed, see
 readers.MAX_DEPTH; the cut keeps the fuzzer on inputs that reach the parser).
 """

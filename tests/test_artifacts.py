@@ -3,6 +3,7 @@ the ledger and the manifests, while the other ranks still read them to skip or r
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import threading
@@ -64,6 +65,59 @@ def test_safetensors_bytes_ignore_insertion_order(tmp_path):
         for k, v in tensors.items():
             t = f.get_tensor(k)
             assert t.dtype == v.dtype and torch.equal(t, v), k
+
+
+def test_canonicalize_safetensors_gives_one_form_for_any_header_order(tmp_path):
+    """A file written with its header keys in any order (as torch DCP's writer leaves them) ends
+    byte-identical to atomic_save_safetensors' file of the same tensors, and still loads."""
+    import json
+
+    from draftsmith.fileio import canonicalize_safetensors
+
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
+    metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps({"w": [0, 0]})}
+    want = tmp_path / "want.safetensors"
+    atomic_save_safetensors(want, tensors, metadata)
+    blob = want.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    for i, (order, pad) in enumerate([(list(header)[::-1], 0), (list(header)[1:] + list(header)[:1], 16)]):
+        shuffled = {k: header[k] for k in order}
+        shuffled["__metadata__"] = dict(reversed(list(header["__metadata__"].items())))
+        head = json.dumps(shuffled, separators=(",", ":")).encode() + b" " * pad  # pad: a header of another length
+        head += b" " * (-len(head) % 8)
+        path = tmp_path / f"{i}.safetensors"
+        path.write_bytes(len(head).to_bytes(8, "little") + head + blob[8 + n:])
+        assert path.read_bytes() != blob
+        canonicalize_safetensors(path)
+        assert path.read_bytes() == blob, order
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata() == metadata and torch.equal(f.get_tensor("w"), tensors["w"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.safetensors", "1.safetensors", "want.safetensors"]
+
+
+def test_a_checkpoint_saved_twice_has_the_same_bytes(tmp_path):
+    """torch DCP writes the checkpoint's safetensors header in hash order: the same state saved by an
+    unbroken run and by a resumed one differed in bytes (found by benchmarks/soak.py); save_checkpoint
+    canonicalizes it, so the state files and their sha256 in meta.json are the same every time."""
+    from draftsmith.distributed.group import DistInfo
+    from draftsmith.train.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    names = {n: n for n, _ in model.named_parameters()}
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    blobs, sums = set(), set()
+    for i in range(4):
+        folder = save_checkpoint(tmp_path / f"train{i}", 1, model, opt, names, {"x": 1}, info)
+        files = sorted((folder / "state").glob("*.safetensors"))
+        blobs.add(tuple(f.read_bytes() for f in files))
+        meta = json.loads((folder / "meta.json").read_text())
+        sums.add(json.dumps(meta["state_sha256"], sort_keys=True))
+    assert len(blobs) == 1 and len(sums) == 1
 
 
 # ----------------------------------------------------------------------------- rank 0 writes
@@ -141,6 +195,35 @@ def test_pipeline_rank0_writes_ledger_and_manifest(tmp_path, fake_stage):
     m = pipeline.run_stage("prepare", recipe)
     assert m["status"] == "complete" and fake_stage.calls == [("wrote", True), ("finished", True)]
     assert [e["event"] for e in Ledger(recipe.run_dir).read()] == ["stage_started", "stage_finished"]
+
+
+@pytest.mark.parametrize("stage", ["vocab", "evaluate", "export"])
+def test_a_stage_start_removes_temp_files_a_killed_run_left(stage, tmp_path, monkeypatch):
+    """A kill -9 inside an atomic write leaves `.NAME.tmp-PID` beside NAME; the next run of the stage
+    removes it before it starts, also in a subfolder (export/sglang/). vocab, evaluate and export did
+    not (prepare, regenerate, capture and train clear their own); the complete run then kept the file."""
+    from draftsmith.manifests import output_fingerprint
+
+    recipe = _tiny_recipe(tmp_path)
+    out = stage_dir(recipe.run_dir, stage)
+    stale = [out / ".manifest.json.tmp-999999-1", out / "sub" / ".model.safetensors.tmp-999998-2"]
+    seen = []
+
+    def run(recipe, run_dir, fp):
+        seen.extend(p.exists() for p in stale)
+        return finish_manifest(out, new_manifest(stage, fp, {}, {}))
+
+    monkeypatch.setattr(pipeline, "stage_status", lambda run_dir, u: "complete")
+    monkeypatch.setattr(pipeline, "upstream_of", lambda stage, recipe: ())
+    monkeypatch.setattr(pipeline, "stage_fingerprint", lambda stage, recipe, run_dir, parts=None: "fp")
+    monkeypatch.setitem(pipeline.STAGE_TABLE, stage, dataclasses.replace(pipeline.STAGE_TABLE[stage], run=run, skipped=None))
+    for p in stale:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"half")
+    (out / "keep.json").write_text("{}")
+    assert pipeline.run_stage(stage, recipe)["status"] == "complete"
+    assert seen == [False, False] and (out / "keep.json").exists()
+    assert output_fingerprint(load_manifest(out)) == "fp"
 
 
 def test_pipeline_rank1_runs_but_appends_nothing(tmp_path, fake_stage, rank1):

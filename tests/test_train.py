@@ -144,6 +144,25 @@ def test_exact_resume_after_crash(tmp_path, target_dir, monkeypatch):
     assert {k: ma[k] for k in ("loss", "acc_per_position", "tau_simulated")} == {k: mb[k] for k in ("loss", "acc_per_position", "tau_simulated")}
 
 
+def test_train_seeds_torch_rng_so_checkpoints_match_after_a_resume(tmp_path, target_dir, monkeypatch):
+    """A fresh train seeds torch's RNG from recipe.seed: the RNG state each checkpoint records (and a
+    resume restores) is the same in an unbroken and a resumed run, whatever the process drew before
+    (found by benchmarks/soak.py: meta.json's rng differed between two runs of the same recipe)."""
+    samples = toy_samples(target_dir)
+    recipe_a, run_a = make_run(tmp_path / "a", target_dir, samples, max_steps=6, batch_tokens=64)
+    torch.rand(7)  # the process's RNG somewhere else than at the start of run b
+    loop.run(recipe_a, run_a, "fp-train")
+    recipe_b, run_b = make_run(tmp_path / "b", target_dir, samples, max_steps=6, batch_tokens=64)
+    with killed_at_step(monkeypatch, 5), pytest.raises(KeyboardInterrupt):
+        loop.run(recipe_b, run_b, "fp-train")
+    torch.rand(3)
+    loop.run(recipe_b, run_b, "fp-train")
+    for step in ("step-000003", "step-000006"):
+        a, b = (read_json(r / "train" / step / "meta.json") for r in (run_a, run_b))
+        assert a["rng"] == b["rng"], step
+        assert a["state_sha256"] == b["state_sha256"], step
+
+
 def test_lr_schedules():
     cos = [loop.lr_at(s, 10, 1.0, 2, 0.1) for s in range(1, 11)]
     lin = [loop.lr_at(s, 10, 1.0, 2, 0.0, "linear") for s in range(1, 11)]

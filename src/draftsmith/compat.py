@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from safetensors import safe_open
 
+from .fileio import JSON_ERRORS, json_error
 from .messages import DraftsmithError
 
 TESTED = {"python": ("3.11", "3.12"), "torch": ("2.11", "2.13"), "transformers": ("5.17", "5.25")}
@@ -96,7 +97,12 @@ def _checkpoint_keys(model_dir: Path) -> Optional[list[str]]:
     """Weight names of a local checkpoint from its index or safetensors headers (no tensors read)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        return list(json.loads(index.read_text()).get("weight_map", {}))
+        try:
+            weight_map = json.loads(index.read_bytes()).get("weight_map", {})
+        except (*JSON_ERRORS, AttributeError) as e:
+            why = json_error(e) if not isinstance(e, AttributeError) else "not a JSON object"
+            raise DraftsmithError(f"{index}: not a safetensors index ({why}); re-download the model") from None
+        return list(weight_map) if isinstance(weight_map, dict) else None
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
@@ -140,9 +146,13 @@ def mtp_report(model: str | Path | dict | Any) -> MtpReport:
         path = Path(model)
         cfg_file = path / "config.json" if path.is_dir() else path
         try:
-            raw = json.loads(cfg_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DraftsmithError(f"{cfg_file}: cannot read the model config ({e}); give a model folder with config.json") from None
+            raw = json.loads(cfg_file.read_bytes())
+        except (OSError, *JSON_ERRORS) as e:
+            why = (e.strerror or str(e)) if isinstance(e, OSError) else json_error(e)
+            raise DraftsmithError(f"{cfg_file}: cannot read the model config ({why}); give a model folder with config.json") from None
+        if not isinstance(raw, dict):
+            raise DraftsmithError(f"{cfg_file}: not a model config (a JSON {type(raw).__name__}, not an object); "
+                                  "give a model folder with config.json")
         n, key = _mtp_key(raw)
         rep = MtpReport(n, key)
         layers = (raw.get("text_config") or raw).get("num_hidden_layers")

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import inspect
+import json
 import math
 import re
 import textwrap
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -626,6 +629,62 @@ def check_formats(formats: list[str], where: Where) -> None:
     check_choices("export.formats", formats, EXPORT_FORMATS, "format", where, allow_empty=False)
 
 
+def recipe_keys() -> list[tuple[str, type, object]]:
+    """(dotted key, type hint, default) of every recipe key: the top-level ones (`seed`) and every
+    key of every section (`train.lr`), in the dataclasses' order."""
+    out = []
+    for f in dataclasses.fields(Recipe):
+        hint = typing.get_type_hints(Recipe)[f.name]
+        if dataclasses.is_dataclass(hint):
+            out += [(f"{f.name}.{g.name}", h, getattr(hint(), g.name))
+                    for g, h in ((g, typing.get_type_hints(hint)[g.name]) for g in dataclasses.fields(hint))]
+        else:
+            out.append((f.name, hint, getattr(Recipe(), f.name)))
+    return out
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Recipe) if dataclasses.is_dataclass(typing.get_type_hints(Recipe)[f.name]))
+"""Recipe keys that hold a section of keys (`train:` and its keys under it)."""
+
+
+def _allows_none(hint) -> bool:
+    return hint is type(None) or (typing.get_origin(hint) is Union and type(None) in typing.get_args(hint))
+
+
+def _kind_of(hint) -> str:
+    """What a value of `hint` is, in words, for an error: `a number`, `one of skip, fail`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is Union:
+        return " or ".join(_kind_of(a) for a in args if a is not type(None))
+    if hint is bool:
+        return "true or false"
+    if hint in (int, float):
+        return "a number"
+    if hint is str:
+        return "a string"
+    return {list: "a list", dict: "a mapping"}.get(origin, f"a {getattr(hint, '__name__', hint)}")
+
+
+def check_sections(path: Path) -> None:
+    """Refuse a recipe file whose top-level value is not a mapping of keys, or one of whose sections
+    (`train:`) holds something other than its keys (`train: 5`, an empty `train:`), naming the key:
+    the parser would fail with a traceback on either."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # check_yaml_file said why
+    if data is None or not isinstance(data, dict):
+        return  # the parser's own one-line error ("Unexpected config")
+    for name in SECTIONS:
+        if name in data and not isinstance(data[name], dict):
+            value = data[name]
+            what = "empty" if value is None else f"{json.dumps(value, default=str)[:60]}, not a mapping of its keys"
+            raise DraftsmithError(f"{path}: section {name} is {what}; write {name}'s keys indented under `{name}:` "
+                                  f"(`draftsmith run --help` lists them), or leave {name} out for its defaults (in the recipe)")
+
+
 def check_recipe(recipe: "Recipe", where: Where, only: Optional[tuple[str, ...]] = None) -> None:
     """Refuse, at parse time, counts, sizes and budgets that are negative, zero where a stage needs
     one, or absurd (a million draft steps): before any stage starts or touches its output. With
@@ -635,6 +694,11 @@ def check_recipe(recipe: "Recipe", where: Where, only: Optional[tuple[str, ...]]
     def wanted(key: str) -> bool:
         return only is None or key in only or key.split(".")[0] in only
 
+    for key, hint, _ in recipe_keys():  # a null where the key needs a value: a stage would fail on it much later
+        section, _, name = key.rpartition(".")
+        if wanted(key) and getattr(getattr(recipe, section) if section else recipe, name) is None and not _allows_none(hint):
+            label, place = source_of(where, key)
+            raise DraftsmithError(f"{label}: {key} is null; give {_kind_of(hint)} {place}")
     for key, value, lo, hi, optional in _limits(recipe):
         if not wanted(key):
             continue
@@ -774,6 +838,7 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
         if not path.exists():
             raise DraftsmithError(f"{path}: recipe not found; give a YAML file such as recipes/quickstart.yaml")
         check_yaml_file(path)
+        check_sections(path)
     p = recipe_parser(prog, "")
     try:
         cfg = p.parse_args(argv)
@@ -783,7 +848,12 @@ def parse_recipe(argv: list[str], prog: str = "draftsmith run") -> tuple[Recipe,
     cfg.pop("config", None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        init = p.instantiate_classes(cfg)
+        try:
+            init = p.instantiate_classes(cfg)
+        except (TypeError, ValueError) as e:  # a section given as something else than its keys (e.g. by a flag)
+            raise DraftsmithError(f"{RecipeSources(argv).files[0] if RecipeSources(argv).files else COMMAND_LINE}: "
+                                  f"{' '.join(str(e).split())[:200]}; give each section's keys under it "
+                                  "(`draftsmith run --help` lists them)") from None
     recipe = Recipe(**{k: init[k] for k in Recipe.__dataclass_fields__})
     check_recipe(recipe, RecipeSources(argv))
     return recipe, force

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
+from .fileio import read_json
 from .manifests import load_manifest
 from .messages import DraftsmithError
 from .rundir import Ledger, process_cmdline, process_start_time, relative_hint, stage_dir
@@ -269,7 +270,10 @@ def diagnose(recipe=None, kill_stale: bool = False) -> list[dict]:
         return checks
     cfg_path = Path(recipe.target.path) / "config.json"
     if cfg_path.exists():
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        cfg = read_json(cfg_path)
+        if not isinstance(cfg, dict):
+            raise DraftsmithError(f"{cfg_path}: not a model config (a JSON {type(cfg).__name__}, not an object); "
+                                  "re-download the model or fix config.json")
         spec = target_spec(cfg)
         checks += [check_disk(recipe, spec), check_memory(recipe, spec, cfg, found)]
     else:

@@ -135,6 +135,36 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
     return sha.hexdigest()
 
 
+def canonicalize_safetensors(path: str | Path) -> None:
+    """Rewrite the header of a safetensors file another library wrote (torch.distributed.checkpoint's
+    HuggingFaceStorageWriter) in the canonical form atomic_save_safetensors writes: its writer puts
+    `__metadata__` in Rust hash order, so the same checkpoint saved twice (a resumed run's, an
+    unbroken run's) differed in its bytes. The header is overwritten in place when its length stays
+    (the usual case: the same keys in another order), else the file is copied behind the new one.
+    Only for a file no reader sees yet: one in a temp folder that replace_dir moves into place."""
+    path = Path(path)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = f.read(n)
+        canon = _canonical_safetensors_header(n.to_bytes(8, "little") + head)
+        if canon[8:] == head:
+            return
+        if len(canon) == 8 + n:
+            f.seek(0)
+            f.write(canon)
+            f.flush()
+            os.fsync(f.fileno())
+            return
+    tmp = aside_path(path, TEMP_FILE_TAG, f"{os.getpid()}-{threading.get_ident()}")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        dst.write(canon)
+        src.seek(8 + n)
+        shutil.copyfileobj(src, dst, 1 << 24)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, path)
+
+
 def _canonical_safetensors_header(data: bytes) -> bytes:
     """The 8-byte length and JSON header of `data` (a safetensors file) in one canonical form:
     `__metadata__` first with sorted keys, then the tensors in the order of their data offsets,
@@ -153,14 +183,31 @@ def _canonical_safetensors_header(data: bytes) -> bytes:
     return len(blob).to_bytes(8, "little") + blob
 
 
+JSON_ERRORS = (ValueError, RecursionError)
+"""What json.loads raises on bad input: JSONDecodeError and UnicodeDecodeError (bytes that are not UTF-8)
+are ValueErrors; RecursionError for nesting deeper than the interpreter's recursion limit."""
+
+
+def json_error(e: BaseException) -> str:
+    """A json.loads error in a few words on one line, for a message that names the file and the fix."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 at byte {e.start}"
+    return " ".join(str(e).split())[:200]
+
+
 def read_json(path: str | Path) -> Any:
+    """A JSON file's value; any file that is missing, unreadable or not JSON is a one-line DraftsmithError."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_bytes())
     except FileNotFoundError:
         raise DraftsmithError(f"{path}: file not found; run the stage that writes it first") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DraftsmithError(f"{path}: not valid JSON ({e}); delete it and rerun the stage that writes it") from None
+    except OSError as e:
+        raise DraftsmithError(f"{path}: cannot read ({e.strerror or e}); check the path and its permissions") from None
+    except JSON_ERRORS as e:
+        raise DraftsmithError(f"{path}: not valid JSON ({json_error(e)}); delete it and rerun the stage that writes it") from None
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -230,10 +277,37 @@ def read_jsonl(path: str | Path) -> list[dict]:
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except JSON_ERRORS:  # torn, garbled or absurdly nested: not a record this code wrote
             continue
         if isinstance(rec, dict):
             out.append(rec)
+    return out
+
+
+def read_jsonl_whole(path: str | Path, required: Sequence[str], fix: str) -> list[dict]:
+    """The records of a JSONL file that is written whole (atomically, never appended to), each a JSON
+    object with the `required` keys; any other line means the file was damaged or edited: a one-line
+    DraftsmithError naming `path:line` and `fix`. A missing file has no records."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise DraftsmithError(f"{path}: cannot read ({e.strerror or e}); {fix}") from None
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except JSON_ERRORS as e:
+            raise DraftsmithError(f"{path}:{lineno}: not valid JSON ({json_error(e)}); {fix}") from None
+        missing = [k for k in required if k not in rec] if isinstance(rec, dict) else None
+        if missing is None or missing:
+            what = f"a JSON {type(rec).__name__}, not an object" if missing is None else f"no {', '.join(missing)}"
+            raise DraftsmithError(f"{path}:{lineno}: not a record of this file ({what}); {fix}")
+        out.append(rec)
     return out
 
 

@@ -162,8 +162,10 @@ def verify_shards(directory: str | Path, manifest: dict, check_hash: bool = True
             raise DraftsmithError(f"{directory / MANIFEST}: shard entry {i} lacks a `file`/`sha256` string; the manifest was "
                                   f"edited, {redo_stage_hint(directory, manifest)}")
         p = safe_join(directory, s["file"])
-        if not p.exists():
-            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but missing; {redo_stage_hint(directory, manifest)}")
+        if not p.is_file():  # missing, or a folder (an empty `file` names the stage folder itself)
+            what = "missing" if not p.exists() else "not a file"
+            raise DraftsmithError(f"{directory / MANIFEST}: shard {s['file']} is listed but {what}; "
+                                  f"{redo_stage_hint(directory, manifest)}")
         if check_hash and sha256_file(p) != s["sha256"]:
             raise DraftsmithError(f"{p}: checksum does not match {directory / MANIFEST}; the shard is corrupt, "
                                   f"{redo_stage_hint(directory, manifest)}")
@@ -192,6 +194,8 @@ def verify_listed_file(path: str | Path) -> None:
 def safe_join(root: str | Path, rel: str) -> Path:
     """Join a manifest-relative path to root, refusing anything that escapes root."""
     root = Path(root).resolve()
+    if "\x00" in rel:  # no file name holds one (the OS refuses it with a ValueError)
+        raise DraftsmithError(f"{root / MANIFEST}: path {rel!r} holds a NUL byte; the manifest was edited, delete it and rerun")
     p = (root / rel).resolve()
     if p != root and root not in p.parents:
         raise DraftsmithError(f"{root / MANIFEST}: path {rel!r} escapes the run directory; the manifest was edited, delete it and rerun")

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import yaml
 
 from .distributed.ranks import is_main_rank, process_rank
-from .fileio import PREVIOUS_DIR_TAG, aside_path, atomic_write_bytes, atomic_write_text, to_jsonable
+from .fileio import PREVIOUS_DIR_TAG, aside_path, atomic_write_bytes, atomic_write_text, remove_temp_files, to_jsonable
 from .manifests import MANIFEST, fingerprint, load_manifest, output_fingerprint
 from .messages import DraftsmithError, log
 from .rundir import RECIPE_FILE, Ledger, RunLock, process_cmdline, process_start_time, process_started_at, relative_hint, rerun_command, stage_dir
@@ -270,6 +270,11 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
         else:
             shutil.rmtree(out_dir)  # half-done output of other inputs (a complete one, if any, is in prev)
     resumed = (m is not None and m.get("status") == "running" and m["fingerprint"] == fp and not force) or verdict == "continue"
+    if not STAGE_TABLE[stage].distributed and out_dir.is_dir():
+        # Files an atomic write killed mid-way left (`.NAME.tmp-PID`): this process alone writes here (rank 0 runs
+        # the stage, under the run lock). The distributed stages (capture, train) clear theirs where every rank
+        # is past its writes.
+        remove_temp_files(out_dir, recursive=True)
     pid = os.getpid()
     ledger.append("stage_started", stage=stage, fingerprint=fp, fingerprint_parts=parts, resumed=resumed, pid=pid,
                   pid_start=process_start_time(pid), cmdline=process_cmdline(pid), run_dir=str(run_dir.resolve()))

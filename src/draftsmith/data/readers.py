@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from ..fileio import JSON_ERRORS
 from ..messages import DraftsmithError, log
 from ..rundir import relative_hint
 
@@ -253,7 +254,7 @@ def resolve_source(source: str, fmt: str = "auto") -> tuple[Path, str]:
                 if raw.strip():
                     try:
                         rec = json.loads(raw)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
+                    except JSON_ERRORS:  # not JSON, not UTF-8, nested too deeply
                         break  # the reader reports it with its line number
                     if isinstance(rec, dict) and "turns" in rec and "question_id" in rec:
                         return path, "mtbench"

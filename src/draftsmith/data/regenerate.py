@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..fileio import atomic_save_safetensors, atomic_write_bytes, atomic_write_text, remove_temp_files, to_jsonable
+from ..fileio import atomic_save_safetensors, atomic_write_bytes, atomic_write_text, read_jsonl_whole, remove_temp_files, to_jsonable
 from ..manifests import finish_manifest, load_manifest, new_manifest, require_complete, verify_shards, write_manifest
 from ..messages import DraftsmithError, log
 from ..rundir import rerun_command, stage_dir
@@ -54,6 +54,8 @@ from .shards import Sample, read_shard, shard_name, write_shard
 from .template import prompt_ids, render
 
 ERRORS_FILE = "errors.jsonl"
+ERROR_KEYS = ("chunk", "sample_index", "reason")
+"""Keys every errors.jsonl record has (read_errors checks them)."""
 COUNTS_FILE = "token_counts.safetensors"
 UNFINGERPRINTED = ("regenerate.concurrency", "regenerate.timeout_s", "regenerate.max_retries", "regenerate.retry_delay_s")
 """regenerate.* keys that never change an answer, left out of the stage's fingerprint
@@ -346,10 +348,10 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     for key in ("answers_reencoded", "prompt_mismatch"):  # a run resumed from an older manifest
         m["counts"].setdefault(key, 0)
     m["config"] = to_jsonable(cfg)  # the request settings this run uses (a retry's may differ from the first run's)
-    errors_text = (out / ERRORS_FILE).read_text(encoding="utf-8") if (out / ERRORS_FILE).exists() else ""
     # errors of chunks the manifest lists; lines of a chunk that was cut off are written again
     done_chunks = len(m["shards"])
-    errors = [json.loads(line) for line in errors_text.splitlines() if line and json.loads(line)["chunk"] < done_chunks]
+    errors = [e for e in read_jsonl_whole(out / ERRORS_FILE, ERROR_KEYS, f"redo the stage with {rerun_command('regenerate', run_dir)}")
+              if isinstance(e["chunk"], int) and e["chunk"] < done_chunks]
 
     tok = load_tokenizer(recipe.target.path, recipe.target.trust_remote_code)
     generate = ServerGenerator(cfg, recipe.seed) if cfg.server_url else LocalGenerator(recipe)
@@ -456,6 +458,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
 
 def read_errors(run_dir: Path) -> list[dict]:
     """The errors file of a run's regenerate stage, as records."""
-    p = stage_dir(run_dir, "regenerate") / ERRORS_FILE
-    return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line] if p.exists() else []
+    return read_jsonl_whole(stage_dir(run_dir, "regenerate") / ERRORS_FILE, ERROR_KEYS,
+                            f"redo the stage with {rerun_command('regenerate', run_dir)}")
 

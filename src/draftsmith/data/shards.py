@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from ..fileio import atomic_save_safetensors
+from ..fileio import JSON_ERRORS, atomic_save_safetensors
 from ..manifests import load_manifest
 from ..messages import DraftsmithError
 from ..rundir import redo_stage_hint
@@ -152,6 +152,31 @@ def _redo(shard: str | Path) -> str:
     return redo_stage_hint(folder, manifest)
 
 
+def _layout_problem(t: dict[str, torch.Tensor]) -> Optional[str]:
+    """What is wrong with the layout of a shard's tensors (None: what `pack` writes): 1-D integer
+    input_ids and sample_index, a 1-D loss_mask as long as input_ids, offsets rising from 0 to the
+    token count with one more entry than samples, and hidden states of one row per token (an fp8
+    one with a scale whose groups divide its width)."""
+    ids, mask, off, idx = t["input_ids"], t["loss_mask"], t["offsets"], t["sample_index"]
+    if any(x.dim() != 1 for x in (ids, mask, off, idx)) or any(x.is_floating_point() for x in (ids, off, idx)):
+        return "input_ids, loss_mask, offsets and sample_index must be 1-D, the ids and offsets integers"
+    n = ids.numel()
+    if mask.numel() != n or off.numel() != idx.numel() + 1 or int(off[0]) != 0 or int(off[-1]) != n \
+            or bool((off[1:] < off[:-1]).any()):
+        return f"offsets {off.tolist()[:8]} do not split {n} tokens into {idx.numel()} samples"
+    for name in ("aux_hidden", "final_hidden"):
+        if name not in t:
+            if name == "final_hidden" and "aux_hidden" in t:
+                return "aux_hidden without final_hidden"
+            continue
+        h, scale = t[name], t.get(name + "_scale")
+        if h.dim() != 2 or h.shape[0] != n:
+            return f"{name} {list(h.shape)} is not one row per token ({n})"
+        if scale is not None and (scale.dim() != 2 or scale.shape[0] != n or scale.shape[1] == 0 or h.shape[1] % scale.shape[1]):
+            return f"{name}_scale {list(scale.shape)} does not fit {name} {list(h.shape)}"
+    return None
+
+
 def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
     """Samples of a shard; hidden states as stored, fp8 ones decoded to float32."""
     try:
@@ -161,6 +186,9 @@ def read_shard(path: str | Path, with_hidden: bool = True) -> list[Sample]:
     need = {"input_ids", "loss_mask", "offsets", "sample_index"}
     if not need <= set(t):
         raise DraftsmithError(f"{path}: shard lacks {sorted(need - set(t))}; it was not written by draftsmith, {_redo(path)}")
+    what = _layout_problem(t)
+    if what:
+        raise DraftsmithError(f"{path}: not a shard draftsmith wrote ({what}); {_redo(path)}")
     off = t["offsets"].tolist()
     ids = source_ids(path, len(off) - 1)
     hidden = with_hidden and "aux_hidden" in t
@@ -189,7 +217,7 @@ def source_ids(path: str | Path, num_samples: int, metadata: Optional[dict] = No
         return None
     try:
         ids = json.loads(raw)
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         ids = None
     if not isinstance(ids, list) or len(ids) != num_samples or not all(isinstance(i, str) for i in ids):
         raise DraftsmithError(f"{path}: metadata `{SOURCE_IDS}` is not a list of {num_samples} strings; the shard is "

@@ -33,7 +33,12 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise DraftsmithError(f"{path}: unreadable ({e}); rerun {fix_command('vocab', path, then=('train',))}") from None
     if "d2t" not in t or "t2d" not in t:
         raise DraftsmithError(f"{path}: lacks d2t/t2d; rerun {fix_command('vocab', path, then=('train',))}")
-    d2t, t2d = t["d2t"].to(torch.int64), t["t2d"].to(torch.bool)
+    d2t, t2d = t["d2t"], t["t2d"]
+    if d2t.dim() != 1 or t2d.dim() != 1 or d2t.is_floating_point() or t2d.is_floating_point():
+        raise DraftsmithError(f"{path}: d2t {str(d2t.dtype).removeprefix('torch.')} {list(d2t.shape)} and t2d "
+                              f"{str(t2d.dtype).removeprefix('torch.')} {list(t2d.shape)} are not a vocab mapping (1-D integer "
+                              f"offsets, a 1-D mask); rerun {fix_command('vocab', path, then=('train',))}")
+    d2t, t2d = d2t.to(torch.int64), t2d.to(torch.bool)
     ids = draft_ids(d2t)
     if ids.numel() and (ids.min() < 0 or ids.max() >= t2d.numel() or not bool(t2d[ids].all())
                         or int(t2d.sum()) != ids.numel()):

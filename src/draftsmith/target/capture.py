@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..fileio import atomic_write_json, checksum_matches, file_stamp, remove_temp_files
+from ..fileio import JSON_ERRORS, atomic_write_json, checksum_matches, file_stamp, remove_temp_files
 from ..manifests import finish_manifest, load_manifest, new_manifest, require_complete, safe_join, verify_shards, write_manifest
 from ..messages import DraftsmithError, log
 from ..rundir import rerun_command, stage_dir, token_stage
@@ -43,7 +43,7 @@ def _listed(out_dir: Path, m: dict, fp: str) -> dict[str, dict]:
     for p in sorted(out_dir.glob(".rank-*.json")):
         try:
             part = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, *JSON_ERRORS):
             continue  # written atomically, so only a foreign file lands here
         if part.get("fingerprint") == fp:
             entries.update({s["file"]: s for s in part["shards"]})
@@ -68,7 +68,7 @@ def _drop_damaged(out_dir: Path, entries: dict[str, dict], m: dict) -> None:
     for p in sorted(out_dir.glob(".rank-*.json")):
         try:
             part = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, *JSON_ERRORS):
             continue
         part["shards"] = [e for e in part.get("shards", []) if e.get("file") not in bad]
         atomic_write_json(p, part)

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
+from ..fileio import JSON_ERRORS, json_error
 from ..messages import DraftsmithError
 from ..rundir import relative_hint
 from ..compat import cache_kwargs, output_cache
@@ -45,8 +46,8 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
         try:
             if not isinstance(json.loads(config.read_bytes()), dict):
                 raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise DraftsmithError(f"{config}: not a valid model config ({' '.join(str(e).split())[:120]}); "
+        except JSON_ERRORS as e:
+            raise DraftsmithError(f"{config}: not a valid model config ({json_error(e)[:120]}); "
                                   "re-download the model or fix config.json") from None
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -248,9 +249,12 @@ def _weight_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise DraftsmithError(f"{index}: not a safetensors index ({e}); re-download the model") from None
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("weight_map is not a mapping of tensor names to file names")
+        except (*JSON_ERRORS, KeyError, TypeError) as e:
+            why = f"no {e}" if isinstance(e, KeyError) else json_error(e) if not isinstance(e, TypeError) else "not a JSON object"
+            raise DraftsmithError(f"{index}: not a safetensors index ({why}); re-download the model") from None
         return {k: path / v for k, v in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:

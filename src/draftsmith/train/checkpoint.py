@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..fileio import atomic_write_json, atomic_write_text, read_json, replace_dir, sha256_file, temp_dir
+from ..fileio import atomic_write_json, atomic_write_text, canonicalize_safetensors, read_json, replace_dir, sha256_file, temp_dir
 from ..messages import DraftsmithError
 from ..distributed.group import DistInfo, barrier
 
@@ -99,6 +99,8 @@ def save_checkpoint(train_dir: Path, step: int, model: torch.nn.Module, opt: tor
         dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp / STATE), save_distributed=True))
     barrier(info)
     if info.is_main:
+        for f in sorted((tmp / STATE).glob("*.safetensors")):  # the same state, the same bytes (resumed or not)
+            canonicalize_safetensors(f)
         sums = {f.name: sha256_file(f) for f in sorted((tmp / STATE).glob("*.safetensors"))}
         atomic_write_json(tmp / "meta.json", {**meta, "step": step, "world_size": info.world_size, "rng": rng_state(),
                                               "state_sha256": sums})

@@ -413,6 +413,8 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     (evaluating on the held-out samples and saving checkpoints as they fall due), finish."""
     t = Trainer.from_recipe(recipe, Path(recipe.run_dir if run_dir is None else run_dir), fp)
     tc, info, main, out_dir, device = t.tc, t.info, t.main, t.out_dir, t.info.device
+    if t.latest is None:  # a fresh start: torch's RNG from the seed (a resume restores the checkpoint's), so the
+        torch.manual_seed(recipe.seed * 1_000_003 + info.rank)  # state each checkpoint records is the same in every run
     prog, window_recs = resume(t.latest, t.tr, fp, out_dir, info, t.best_figure[1])
     metrics_path = out_dir / METRICS_FILE
     window: deque = deque(window_recs, maxlen=max(1, tc.log_every))
