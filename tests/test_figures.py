@@ -257,3 +257,29 @@ def test_status_and_plan_import_no_torch():
             "draftsmith.figures.data, draftsmith.figures.capture, draftsmith.figures.vocab, draftsmith.figures.export; "
             "print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_status_survives_deep_or_undecodable_side_files(run, tmp_path, capsys):
+    """The files status reads beside the manifests (the target's config.json, plan.json,
+    probe/results.json, recipe.yaml): nested past Python's recursion limit, or not UTF-8, they are
+    shown as unreadable or left out, or (recipe.yaml) refused in one line, never a traceback."""
+    import yaml
+    copy_dir = tmp_path / "run"
+    shutil.copytree(run, copy_dir, ignore=shutil.ignore_patterns("*.safetensors", "tensorboard", "step-*"))
+    deep = "[" * 100_000 + "]" * 100_000
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(deep)
+    recipe = yaml.safe_load((copy_dir / "recipe.yaml").read_text())
+    recipe["target"]["path"] = str(target)
+    (copy_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (copy_dir / "plan.json").write_text(deep)
+    (copy_dir / "probe").mkdir(exist_ok=True)
+    (copy_dir / "probe" / "results.json").write_text(deep)
+    assert main(["status", str(copy_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out and "## Immediate next step" in out
+    (copy_dir / "recipe.yaml").write_bytes(b"name: \xff\xfe\n")
+    assert main(["status", str(copy_dir)]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "recipe.yaml" in err and len(err.strip().splitlines()) == 1

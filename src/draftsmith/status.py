@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from .fileio import atomic_write_text
+from .fileio import JSON_ERRORS, atomic_write_text
 from .manifests import Figures, ManifestHead, load_manifest
 from .messages import DraftsmithError
 from .rundir import RECIPE_FILE, LEDGER, Ledger, stage_command, stage_dir
@@ -203,7 +203,7 @@ def _read_recipe(run_dir: Path) -> dict:
         return {}
     try:
         r = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError, OSError) as e:
         raise DraftsmithError(f"{p}: not valid YAML ({' '.join(str(e).split())[:200]}); rerun a stage to rewrite it") from None
     return r if isinstance(r, dict) else {}
 
@@ -530,7 +530,7 @@ def _target_facts(recipe: dict, run_dir: Path) -> list[Optional[dict]]:
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         spec = target_spec(cfg)
-    except (ValueError, DraftsmithError) as e:
+    except (*JSON_ERRORS, OSError, DraftsmithError) as e:
         return [fact("target config", f"unreadable ({e})", str(cfg_path))]
     c, src = text_config_dict(cfg), f"{cfg_path}"
     return [
@@ -567,7 +567,7 @@ def _prediction_facts(run_dir: Path, ev_m: dict) -> list[Optional[dict]]:
         try:
             predicted = speedup_at(json.loads((run_dir / "plan.json").read_text()), 1, k)
             src = f"plan.json: rows[batch 1, k={k}]"
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (*JSON_ERRORS, OSError, KeyError, TypeError, AttributeError):
             predicted = None
     if _number(predicted) is None:
         return [fact("planner prediction", "none yet (no step_costs in the eval manifest, no plan.json); "
@@ -671,7 +671,7 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
                               f"best {pr['best']['layers']} (probe accuracy {pr['best']['accuracy']:.3f}) "
                               f"vs default {pr['default']['layers']} ({pr['default']['accuracy']:.3f})",
                               "probe/results.json: best, default"))
-        except (ValueError, KeyError, TypeError):
+        except (*JSON_ERRORS, OSError, KeyError, TypeError):
             pass
     return [f for f in facts if f]
 
