@@ -80,7 +80,7 @@ from draftsmith.speculate.methods import DecodeRunners  # noqa: E402
 from draftsmith.plan import predict  # noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer  # noqa: E402
-from draftsmith.speculate.engine import generate  # noqa: E402
+from draftsmith.speculate.engine import generate, plain_generate_batch  # noqa: E402
 from draftsmith.target.model import Target  # noqa: E402
 
 CONFIGS = {
@@ -411,9 +411,9 @@ def main(argv=None) -> int:
         result.setdefault("target_attention", "decode_attention" if ft.attn_configs else "model's own")
         result.setdefault("cache_columns", {})[str(B)] = ft.S  # allocated; before 2026-12-05 attention read all of them, masked
         table = tables.setdefault(B, torch.zeros(B, P + max_new + D + 2, dtype=torch.long, device=dev))
-        ref = ft.plain(prompts, max_new)  # warm-up: captures the plain graph; the oracle's first truth
+        ref = plain_generate_batch(target, prompts, max_new, fast=ft)  # warm-up: captures the plain graph; the oracle's first truth
         result.setdefault("attention_columns", {})[str(B)] = ft.W  # what the forwards read (FastTarget.attend)
-        plain_ts = [timed(target, lambda: ft.plain(prompts, max_new))[1] for _ in range(a.repeats)]
+        plain_ts = [timed(target, lambda: plain_generate_batch(target, prompts, max_new, fast=ft))[1] for _ in range(a.repeats)]
         plain_s = median(plain_ts)
         tok_s = B * max_new / plain_s
         roof = decode_roofline(target, tok_s, batch=B)
@@ -422,7 +422,7 @@ def main(argv=None) -> int:
                "roofline": roof, "methods": {}}
         result[f"plain_bw_fraction_{name}_bs{B}"] = round(roof["fraction_of_measured_bw"], 4)
         if a.profile and cuda and B == 1:
-            row["profile"] = kernel_profile(lambda: ft.plain(prompts, max_new), max_new - 1)
+            row["profile"] = kernel_profile(lambda: plain_generate_batch(target, prompts, max_new, fast=ft), max_new - 1)
         print(f"[bench_engine] batch {B}: plain {tok_s:.1f} tok/s ({row['plain_ms_per_step']:.3f} ms/step, "
               f"{roof['fraction_of_measured_bw']:.2f} of the measured bandwidth limit)", flush=True)
         for method in a.methods:

@@ -30,7 +30,7 @@ from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
 from draftsmith.evaluate.costs import decode_roofline  # noqa: E402
 from draftsmith.evaluate.measure import timed  # noqa: E402
-from draftsmith.speculate.verify import plain_generate  # noqa: E402
+from draftsmith.speculate.engine import plain_generate  # noqa: E402
 from draftsmith.speculate.fast import FastTarget  # noqa: E402
 from draftsmith.target.model import Target  # noqa: E402
 
@@ -66,7 +66,7 @@ def decode_rates(target: Target, paths: list[str], prompt_len: int, new_tokens: 
                 run = lambda n: [plain_generate(target, prompt, n)]  # noqa: E731
             else:
                 ft = FastTarget(target, path, max_len=prompt_len + new_tokens + 8)
-                run = lambda n, ft=ft: ft.plain([prompt], n)  # noqa: E731
+                run = lambda n, ft=ft: [plain_generate(target, prompt, n, fast=ft)]  # noqa: E731
             t0 = time.perf_counter()
             run(8)  # warm-up: allocation, kernel choice, graph capture, compilation
             warm_s = time.perf_counter() - t0

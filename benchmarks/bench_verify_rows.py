@@ -53,6 +53,7 @@ from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.evaluate.costs import measure_step_costs  # noqa: E402
 from draftsmith.speculate import skinny  # noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
+from draftsmith.speculate.engine import plain_generate  # noqa: E402
 from draftsmith.speculate.methods import DecodeRunners  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16)
@@ -267,13 +268,13 @@ def forward_part(result: dict, target, drafter, mode: str, context: list[int], r
         try:
             ft = r.get(1)[0]
             n_new = 32
-            ft.plain([context], n_new)  # warm-up: the plain graph
+            plain_generate(target, context, n_new, fast=ft)  # warm-up: the plain graph
             ts = []
             for _ in range(3):
                 if target.device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                ft.plain([context], n_new)
+                plain_generate(target, context, n_new, fast=ft)
                 ts.append(time.perf_counter() - t0)
             result["plain_ms_per_step"][s] = round(1000 * sorted(ts)[1] / n_new, 4)
             a, b = row0_logits(ft, context, 1), row0_logits(ft, context, max(ROWS))

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from draftsmith.fileio import atomic_write_json# noqa: E402
 from draftsmith.speculate.eagle3 import Eagle3Proposer, FastDraft  # noqa: E402
-from draftsmith.speculate.engine import generate  # noqa: E402
+from draftsmith.speculate.engine import generate, plain_generate_batch  # noqa: E402
 from draftsmith.speculate.fast import FastTarget  # noqa: E402
 from draftsmith.target.model import load_target  # noqa: E402
 from draftsmith.testing import make_model_dir  # noqa: E402
@@ -138,8 +138,8 @@ def kernels_of(fn, top: int) -> tuple[float, list]:
 def step_counts(ft: FastTarget, fd: FastDraft, prompts: list[list[int]], top: int) -> dict:
     """Kernels of one plain decoding step (a generation of 33 new tokens less one of 1: no prefill) and
     of one drafter step over one row per sequence on its static cache (FastDraft.step)."""
-    k33, top33 = kernels_of(lambda: ft.plain(prompts, 33), top)
-    k1, _ = kernels_of(lambda: ft.plain(prompts, 1), top)
+    k33, top33 = kernels_of(lambda: plain_generate_batch(ft.target, prompts, 33, fast=ft), top)
+    k1, _ = kernels_of(lambda: plain_generate_batch(ft.target, prompts, 1, fast=ft), top)
     d, B = fd.drafter, len(prompts)
     cache = fd.reset(B, 64)
     ids, pos = torch.zeros(B, 1, dtype=torch.long), torch.full((B, 1), 20)

@@ -115,7 +115,7 @@ def test_oracle_pays_the_drafting_cost(resident):
     expansion steps (and the committed-row feed), host loop and resident round alike."""
     import torch
 
-    from draftsmith.speculate.engine import generate
+    from draftsmith.speculate.engine import generate, plain_generate
     from draftsmith.speculate.eagle3 import FastDraft
     from draftsmith.speculate.fast import FastTarget
 
@@ -127,7 +127,7 @@ def test_oracle_pays_the_drafting_cost(resident):
     drafter.forward = lambda *a, **k: calls.append(a[0].shape) or forward(*a, **k)
     ft = FastTarget(target, "static")
     prompt = [5, 6, 7, 8]
-    ref = ft.plain([prompt], 16)[0]
+    ref = plain_generate(target, prompt, 16, fast=ft)
     table = torch.zeros(1, 40, dtype=torch.long)
     bench_engine.fill(table, [prompt + ref])
     prop = bench_engine.OracleEagle(drafter, table, 3, target.vocab_size, topk=2, budget=6, fast=FastDraft(drafter, False))

@@ -18,7 +18,7 @@ import torch
 from draftsmith.evaluate.explain import accepted_at, predictions
 from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate
-from draftsmith.speculate.verify import plain_generate
+from draftsmith.speculate.engine import plain_generate
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget
 from draftsmith.target.model import load_target

@@ -14,7 +14,7 @@ from draftsmith.speculate.eagle3 import Eagle3Proposer
 from draftsmith.speculate.engine import generate, speculative_generate
 from draftsmith.speculate.ngram import NgramProposer
 from draftsmith.speculate.proposer import PerSequence
-from draftsmith.speculate.verify import plain_generate, plain_generate_batch
+from draftsmith.speculate.engine import plain_generate, plain_generate_batch
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 

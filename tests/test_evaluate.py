@@ -348,7 +348,7 @@ def test_the_tie_tolerance_is_the_targets_own_rounding():
 def test_lossless_check_stops_on_a_bug_and_names_the_gaps(tmp_path):
     """A speculative token that no forward picks is a bug: the check raises with both logit gaps;
     with check_lossless off it records the divergence instead."""
-    from draftsmith.speculate.verify import plain_generate
+    from draftsmith.speculate.engine import plain_generate
 
     target = load_target(make_model_dir(tmp_path / "m", num_layers=2), device="cpu", dtype="float32")
     prompt = [5, 9, 13, 2, 7]

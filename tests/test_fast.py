@@ -15,9 +15,8 @@ import torch
 
 from draftsmith.messages import DraftsmithError
 from draftsmith.speculate.eagle3 import Eagle3Proposer
-from draftsmith.speculate.engine import generate
+from draftsmith.speculate.engine import generate, plain_generate, plain_generate_batch
 from draftsmith.speculate.proposer import PerSequence
-from draftsmith.speculate.verify import plain_generate
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS, CAPTURES, Graphed
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget, in_stack, resolve_mode
@@ -78,7 +77,7 @@ def fast_mode(mode: str, monkeypatch) -> str:
     """The FastTarget mode a test parameter stands for: `emulated` is `graphs` with emulated_capture."""
     if mode != "emulated":
         return mode
-    for module in ("cache", "fast", "resident"):
+    for module in ("cache", "resident"):
         monkeypatch.setattr(f"draftsmith.speculate.{module}.capture", emulated_capture)
     return "graphs"
 
@@ -106,10 +105,10 @@ def test_fast_plain_equals_eager_plain(target, plains, mode, monkeypatch):
     mode = fast_mode(mode, monkeypatch)
     ft = FastTarget(target, mode, max_len=16)  # too small on purpose: prefill grows it
     for p, ref in zip(PROMPTS, plains):
-        assert ft.plain([p], 24) == [ref]
-    assert ft.plain(PROMPTS, 24) == plains  # a left-padded batch, the same cache object re-sized
+        assert plain_generate_batch(target, [p], 24, fast=ft) == [ref]
+    assert plain_generate_batch(target, PROMPTS, 24, fast=ft) == plains  # a left-padded batch, the same cache object re-sized
     eos = plains[0][5]
-    assert ft.plain([PROMPTS[0]], 24, eos_ids=[eos]) == [plains[0][:plains[0].index(eos) + 1]]  # stops at EOS
+    assert plain_generate_batch(target, [PROMPTS[0]], 24, eos_ids=[eos], fast=ft) == [plains[0][:plains[0].index(eos) + 1]]  # stops at EOS
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES)
@@ -149,7 +148,7 @@ def test_sampled_decoding_on_the_fast_path_is_seeded(target, fitted, mode, monke
     def seeded(s: int):
         return torch.Generator(device=DEVICE).manual_seed(s)
 
-    plain = [ft.plain(PROMPTS[:2], 16, temperature=1.0, generator=seeded(s)) for s in (1, 1, 2)]
+    plain = [plain_generate_batch(target, PROMPTS[:2], 16, temperature=1.0, generator=seeded(s), fast=ft) for s in (1, 1, 2)]
     assert plain[0] == plain[1] != plain[2]
     spec = [generate(target, Eagle3Proposer(fitted, topk=k, budget=b, temperature=1.0, generator=seeded(s), fast=fd),
                      PROMPTS[:2], 16, depth=4, temperature=1.0, generator=seeded(s + 10), fast=ft, resident=True)[0]
@@ -166,13 +165,13 @@ def test_attention_width_follows_the_context(target, plains, fitted, mode, monke
     graphs) and is still lossless."""
     mode = fast_mode(mode, monkeypatch)
     ft, fd = FastTarget(target, mode, batch_size=2), FastDraft(fitted, graphs=mode != "static")  # 2,304 columns
-    assert ft.plain(PROMPTS[:2], 24) == plains[:2]  # batch 2 throughout: the cache poisoned below stays
+    assert plain_generate_batch(target, PROMPTS[:2], 24, fast=ft) == plains[:2]  # batch 2 throughout: the cache poisoned below stays
     assert ft.W == 256 < ft.S
     with torch.inference_mode():  # the cache's tensors are inference tensors
         for layer in ft.cache.layers:
             for t in (layer.keys, layer.values):
                 t[:, :, ft.W:] = float("nan")
-    assert ft.plain(PROMPTS[:2], 24) == plains[:2]
+    assert plain_generate_batch(target, PROMPTS[:2], 24, fast=ft) == plains[:2]
     for resident in (False, True):
         new, _ = generate(target, Eagle3Proposer(fitted, topk=3, budget=8, fast=fd), PROMPTS[:2], 24, depth=4,
                           fast=ft, resident=resident)
@@ -182,7 +181,7 @@ def test_attention_width_follows_the_context(target, plains, fitted, mode, monke
             for t in (layer.keys, layer.values):
                 t[:, :, ft.W:] = 0
     long_ref = [plain_generate(target, p, 260) for p in PROMPTS[:2]]
-    assert ft.plain(PROMPTS[:2], 260) == long_ref and ft.W == 512
+    assert plain_generate_batch(target, PROMPTS[:2], 260, fast=ft) == long_ref and ft.W == 512
     new, _ = generate(target, Eagle3Proposer(fitted, topk=1, budget=4, fast=fd), PROMPTS[:2], 260, depth=4,
                       fast=ft, resident=True)
     assert new == long_ref
@@ -200,8 +199,8 @@ def test_evaluate_measures_again_a_run_that_captured(target, plains, fitted, mon
     fast_mode("emulated", monkeypatch)
     runners = methods.DecodeRunners(target, fitted, "graphs")
     calls = []
-    real_plain, real_generate = FastTarget.plain, methods.generate
-    monkeypatch.setattr(FastTarget, "plain", lambda self, *a, **k: calls.append("plain") or real_plain(self, *a, **k))
+    real_plain, real_generate = methods.plain_generate_batch, methods.generate
+    monkeypatch.setattr(methods, "plain_generate_batch", lambda *a, **k: calls.append("plain") or real_plain(*a, **k))
     monkeypatch.setattr(methods, "generate", lambda *a, **k: calls.append("chain") or real_generate(*a, **k))
     cfg = EvaluateConfig(max_new_tokens=24, draft_steps=4)
     for n, runs in ((24, 2), (24, 1), (260, 2), (260, 1)):  # new graphs, replays, a wider attention, replays
@@ -357,7 +356,7 @@ def test_compiled_regions_keep_outputs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(llama, "apply_rotary_pos_emb", llama.apply_rotary_pos_emb)
     assert compile_regions(target.model) > 0 and compile_regions(target.model) == 0
-    assert FastTarget(target, "static").plain(PROMPTS[:2], 8) == ref
+    assert plain_generate_batch(target, PROMPTS[:2], 8, fast=FastTarget(target, "static")) == ref
 
 
 def test_compiled_drafter_regions_keep_drafts(target, plains):

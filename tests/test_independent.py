@@ -6,7 +6,7 @@ import torch
 
 from draftsmith.messages import DraftsmithError
 from draftsmith.speculate.engine import speculative_generate
-from draftsmith.speculate.verify import plain_generate
+from draftsmith.speculate.engine import plain_generate
 from draftsmith.speculate.independent import IndependentDraftProposer, load_draft_model
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir

@@ -16,6 +16,7 @@ from draftsmith.speculate.engine import generate
 from draftsmith.speculate.eagle3 import FastDraft
 from draftsmith.speculate.fast import FastTarget
 from draftsmith.speculate.resident import PARTS
+from draftsmith.speculate.tree import DraftTree
 
 from test_engine import PROMPTS, make_drafter
 from test_fast import fast_mode, fitted, plains, target  # noqa: F401  (the Llama and DeepSeek-V3 tiny targets, their plain outputs)
@@ -146,3 +147,170 @@ def test_compiled_round_equals_host_loop(target, plains, mode, monkeypatch):
     (res_state,) = fd.resident.values()
     assert all(hasattr(getattr(res_state.parts, f.__name__), "_torchdynamo_orig_callable") for f in PARTS)  # compiled
     assert mode == "static" or res_state.graph not in (None, False)  # graphs: the compiled round was captured
+
+
+# ----------------------------------------------------------------------------- acceptance, round by round
+
+
+def _random_tree(gen, V: int, D: int, K: int, M: int, q_of=None) -> tuple[DraftTree, list[bool]]:
+    """A draft tree as Eagle3Proposer builds one: nodes in creation order depth by depth, at most M, distinct
+    tokens among siblings, the root with K children and every other node 0..K. With `q_of` (depth -> the
+    drafter's law [V]) each depth's chain node (the root's first child, then each chain node's first child)
+    is drawn from q and kept out of its siblings, as expand's keep_chain does. Returns (tree, chain flags)."""
+    tokens, parents, chain, q, frontier = [], [], [], [], [-1]
+    for d in range(1, D + 1):
+        nxt = []
+        for par in frontier:
+            n = K if par < 0 else int(torch.randint(0, K + 1, (1,), generator=gen))
+            drawn = q_of is not None and (par < 0 or chain[par]) and n > 0
+            first = int(torch.multinomial(q_of(d), 1, generator=gen)) if drawn else None
+            rest = [t for t in torch.randperm(V, generator=gen).tolist() if t != first][:n - int(drawn)]
+            for i, t in enumerate(([first] if drawn else []) + rest):
+                if len(tokens) < M:
+                    tokens.append(t)
+                    parents.append(par)
+                    chain.append(drawn and i == 0)
+                    q.append(q_of(d) if drawn and i == 0 else None)
+                    nxt.append(len(tokens) - 1)
+        frontier = nxt
+    return DraftTree(tokens, parents, q if q_of is not None else None), chain
+
+
+def _rows(trees, chains, N: int, roots):
+    """The resident round's verify rows of these trees (what resident.choose makes): ids, depth, parent row
+    (self for padding), row valid, chain [B, N]."""
+    B = len(trees)
+    ids, depth = torch.zeros(B, N, dtype=torch.long), torch.zeros(B, N, dtype=torch.long)
+    prow = torch.arange(N).repeat(B, 1)
+    valid, chain = torch.zeros(B, N, dtype=torch.bool), torch.zeros(B, N, dtype=torch.bool)
+    valid[:, 0] = True
+    for b, (t, c) in enumerate(zip(trees, chains)):
+        ids[b, 0] = roots[b]
+        for i, (tok, par, d) in enumerate(zip(t.tokens, t.parents, t.depths())):
+            ids[b, i + 1], prow[b, i + 1], depth[b, i + 1] = tok, par + 1, d
+            valid[b, i + 1], chain[b, i + 1] = True, c[i]
+    return ids, depth, prow, valid, chain
+
+
+class _Coupled:
+    """tree.accept_sampled's draws tied to the resident round's (u, e) for one sequence, so that both
+    acceptances must make the same decisions: a drawn (chain) node at row r is tried with u[r] (its parent's
+    row, as pick_sampled_tree; a chain's draft row, as accept_sampled_chain: `chain_u`); a fixed child y at
+    row r is accepted exactly when y is the exponential race's draw z_r = argmax(res_r / e_r) from that row's
+    residual (uniform 0, else 1: the coupling under which trying fixed children one by one is one draw
+    from the residual, as the round does); the bonus token is the race over tree.py's own residual with
+    e of the row the walk stopped at (one e per sequence for a chain). Follows the walk to know the row."""
+
+    def __init__(self, tree, probs, u, e, chain_u: bool):
+        self.tree, self.probs, self.u, self.e, self.chain_u = tree, probs, u, e, chain_u
+        self.children = [[] for _ in range(len(tree) + 1)]
+        for i, p in enumerate(tree.parents):
+            self.children[p + 1].append(i)
+        self.row, self.k = 0, 0
+
+    def _e(self):
+        return self.e if self.e.dim() == 1 else self.e[self.row]
+
+    def _race(self, w):
+        return int((w / self._e()).argmax())
+
+    def uniform(self) -> float:
+        c = self.children[self.row][self.k]
+        x, p = self.tree.tokens[c], self.probs[self.row].float()
+        q = self.tree.q[c] if self.tree.q is not None else None
+        if q is not None:
+            v = float(self.u[c + 1] if self.chain_u else self.u[self.row])
+            took = v * float(q[x]) < float(p[x])
+        else:
+            drawn = [d for d in self.children[self.row] if self.tree.q is not None and self.tree.q[d] is not None]
+            res = (p - self.tree.q[drawn[0]]).clamp_min(0) if drawn else p  # a fixed child is tried after the drawn one
+            took = x == self._race(torch.where(res.sum() > 0, res, p))
+            v = 0.0 if took else 1.0
+        self.row, self.k = (c + 1, 0) if took else (self.row, self.k + 1)
+        return v
+
+    def sample(self, p, generator=None) -> int:
+        return self._race(p)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled_fixed", "sampled_chain", "sampled_tree"])
+def test_resident_acceptance_matches_tree_round_by_round(kind, monkeypatch):
+    """The resident round's acceptance (resident.accept on the argmax, on sample_race's draws, on
+    pick_sampled_tree's; resident.accept_sampled_chain) and tree.py's (accept_greedy, accept_sampled) on the
+    same random trees and logits, round after round: the same ancestry masks, accepted path, accepted count,
+    committed tokens, tokens emitted up to EOS and EOS flag. Sampled rounds share their draws (_Coupled)."""
+    from draftsmith.speculate import resident, tree as tree_mod
+    from draftsmith.speculate.tree import accept_greedy, accept_sampled, first_eos, tree_ancestry
+
+    gen = torch.Generator().manual_seed({"greedy": 0, "sampled_fixed": 1, "sampled_chain": 2, "sampled_tree": 3}[kind])
+    B, V, D, K, temp = 3, 12, 4, 2, 0.7
+    M = D if kind == "sampled_chain" else 10
+    N, T = M + 2, min(D, M) + 1  # a padding row past the largest tree
+    eos_ids = [5, 9]
+    eos = torch.tensor(eos_ids)
+    seen = {"accepted": set(), "hit": 0, "fixed_after_drawn": 0, "drawn_rejected": 0}
+    for _ in range(150):
+        q_all = torch.softmax(2 * torch.randn(B, D, V, generator=gen), -1)
+        trees, chains = [], []
+        for b in range(B):
+            if kind == "sampled_chain":  # drafts drawn from q, cut at a random depth limit
+                n = int(torch.randint(0, D + 1, (1,), generator=gen))
+                toks = [int(torch.multinomial(q_all[b, d], 1, generator=gen)) for d in range(n)]
+                trees.append(DraftTree.chain(toks, [q_all[b, d] for d in range(n)]))
+                chains.append([True] * n)
+            else:
+                m = M if bool(torch.rand((), generator=gen) < 0.6) else int(torch.randint(0, M + 1, (1,), generator=gen))
+                t, c = _random_tree(gen, V, D, K, m,
+                                    (lambda d, b=b: q_all[b, d - 1]) if kind == "sampled_tree" else None)
+                trees.append(t)
+                chains.append(c)
+        ids, depth, prow, valid, chain = _rows(trees, chains, N, torch.randint(0, V, (B,), generator=gen).tolist())
+        # logits that often favour a child's token (or, at a drawn node's parent, follow q), so paths go deep
+        logits = torch.randn(B, N, V, generator=gen)
+        for b, t in enumerate(trees):
+            for i, (tok, par) in enumerate(zip(t.tokens, t.parents)):
+                if t.q is not None and t.q[i] is not None and bool(torch.rand((), generator=gen) < 0.8):
+                    logits[b, par + 1] = temp * t.q[i].log() + 0.3 * torch.randn(V, generator=gen)
+                elif bool(torch.rand((), generator=gen) < 0.75):
+                    logits[b, par + 1, tok] = logits[b, par + 1].max() + 1.0
+        anc = resident.ancestry(prow, valid, D)
+        assert torch.equal(anc, tree_ancestry(trees, N))
+        u = torch.rand(B, N, generator=gen)
+        e = torch.empty(B, V if kind == "sampled_chain" else N * V).exponential_(generator=gen).view(B, -1, V).squeeze(1)
+        if kind == "greedy":
+            got = resident.accept(logits.argmax(-1), ids, prow, valid, anc, eos, T)
+        elif kind == "sampled_fixed":
+            got = resident.accept(resident.sample_race(logits, temp, e), ids, prow, valid, anc, eos, T)
+        elif kind == "sampled_chain":
+            got = resident.accept_sampled_chain(logits, ids, valid, q_all, u, e, eos, temp, T)
+        else:
+            picked = resident.pick_sampled_tree(logits, ids, prow, depth, chain, q_all, u, e, temp)
+            got = resident.accept(picked, ids, prow, valid, anc, eos, T)
+        n_acc, path_rows, committed, n_emit, hit = (x.tolist() for x in got)
+        probs = torch.softmax(logits / temp, -1)
+        for b, t in enumerate(trees):
+            if kind == "greedy":
+                path, bonus = accept_greedy(t, logits[b].argmax(-1).tolist())
+            else:
+                c = _Coupled(t, probs[b], u[b], e[b], chain_u=kind == "sampled_chain")
+                monkeypatch.setattr(tree_mod, "sample", c.sample)
+                path, bonus = accept_sampled(t, probs[b], uniform=c.uniform)
+            want = [t.tokens[i] for i in path] + [bonus]
+            where = (kind, b, t)
+            assert n_acc[b] == len(path), where
+            assert path_rows[b][:len(path) + 1] == [0] + [i + 1 for i in path], where
+            assert committed[b][:len(path) + 1] == want, where
+            assert n_emit[b] == first_eos(want, eos_ids) and hit[b] == any(x in eos_ids for x in want), where
+            seen["accepted"].add(len(path))
+            seen["hit"] += hit[b]
+            drawn = [i for i in range(len(t)) if t.q is not None and t.q[i] is not None]
+            seen["drawn_rejected"] += sum(1 for i in drawn if t.parents[i] + 1 in [0] + [j + 1 for j in path]
+                                          and i not in path)
+            seen["fixed_after_drawn"] += sum(1 for i in path if i not in drawn and any(
+                t.parents[d] == t.parents[i] for d in drawn))
+    assert seen["accepted"] == set(range(D + 1)), seen  # every depth was reached, none too
+    assert seen["hit"] > 0, seen
+    if kind in ("sampled_chain", "sampled_tree"):
+        assert seen["drawn_rejected"] > 0, seen
+    if kind == "sampled_tree":  # a fixed sibling taken after its drawn sibling was rejected
+        assert seen["fixed_after_drawn"] > 0, seen

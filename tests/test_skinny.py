@@ -22,7 +22,7 @@ from draftsmith.speculate import skinny
 from draftsmith.speculate.engine import generate
 from draftsmith.speculate.fast import FastTarget
 from draftsmith.speculate.proposer import PerSequence
-from draftsmith.speculate.verify import plain_generate
+from draftsmith.speculate.engine import plain_generate
 from draftsmith.target.model import load_target
 from draftsmith.testing import make_model_dir
 
@@ -163,7 +163,7 @@ def test_interpreted_fast_path_decodes_through_the_kernel(interpreted, tmp_path,
     rows = []
     launch = interpreted.launch
     monkeypatch.setattr(interpreted, "launch", lambda *a: rows.append(a[0].shape[0]) or launch(*a))
-    assert [ft.plain([p], 10)[0] for p in prompts] == plains
+    assert [plain_generate(target, p, 10, fast=ft) for p in prompts] == plains
     assert 1 in rows and max(rows) <= 16  # the one-row steps ran the kernel (and these short prompts' prefills)
     prop = PerSequence([OracleProposer(p + r, error_rate=0.3, seed=i) for i, (p, r) in enumerate(zip(prompts, plains))])
     new, _ = generate(target, prop, prompts, 10, depth=4, fast=ft)

@@ -47,6 +47,7 @@ from ..messages import DraftsmithError, log
 from ..rundir import rerun_command, stage_dir
 from ..config import Recipe, RegenerateConfig
 from ..speculate.cache import seeded_generator
+from ..speculate.engine import plain_generate_batch
 from ..speculate.fast import choose_mode, fast_target_or_none
 from ..target.model import eos_token_ids, load_target, load_tokenizer
 from .readers import ReadStats, read_conversations
@@ -118,7 +119,7 @@ def bucket_rows(n: int, batch_size: int) -> int:
 
 class LocalGenerator:
     """The target decodes left-padded batches, greedy at temperature 0: on the fast path
-    (regenerate.fast; FastTarget.plain, what evaluate times as plain decoding) or through
+    (regenerate.fast; engine.plain_generate_batch on a FastTarget, what evaluate times as plain decoding) or through
     transformers' `generate`."""
 
     def __init__(self, recipe: Recipe):
@@ -157,8 +158,8 @@ class LocalGenerator:
             size = bucket_rows(len(enc), self.cfg.batch_size)
             self.fast.ensure(size, self.max_len)  # the cache sized once per bucket, for every prompt that fits
             rows = enc + [enc[-1]] * (size - len(enc))
-            gen = self.fast.plain(rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature,
-                                  generator=self.generator)[:len(enc)]
+            gen = plain_generate_batch(self.target, rows, self.cfg.max_new_tokens, sorted(self.eos), self.cfg.temperature,
+                                       self.generator, fast=self.fast)[:len(enc)]
             return self._answers(enc, gen)
         L = max(len(e) for e in enc)
         ids = torch.full((len(enc), L), self.pad, dtype=torch.long)

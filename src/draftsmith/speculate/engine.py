@@ -1,17 +1,25 @@
-"""Speculative decoding with the target's own KV cache; batch >= 1, chain or tree: the top of speculate/.
+"""Speculative and plain decoding with the target's own KV cache; batch >= 1, chain or tree: the top of speculate/.
 
     generate               a proposer drafts a tree per sequence (a chain is a tree with one
-                           child per node), ONE target forward verifies every tree of the batch
+                           child per node), ONE target forward verifies every tree of the batch;
+                           with no proposer it is plain decoding, one row per sequence per step
+    plain_generate(_batch) plain decoding (batch 1, a batch): `generate` with no proposer
     speculative_generate   batch 1 wrapper: an Eagle3Drafter or any `Proposer`
+
+Two loops decode, and only two: this host loop (`generate`: eager targets, every proposer; eager plain
+decoding) and the device-resident loop (resident.py: plain decoding on the fast path, always; EAGLE-3
+rounds there with `resident`). Plain decoding, the speedup's denominator, is each loop with no proposer:
+over the same cache, with no draft, tree or cache-move work per token.
 
 The layers of speculate/ import one way, top first (tests/test_layering.py checks it):
 
-    engine.py     the loop: `generate` on the host, or on the device (resident.py) for EAGLE-3 (greedy or sampled)
-    resident.py   the same round as tensor ops, one CUDA graph per round
+    engine.py     the loop: `generate` on the host, or on the device (resident.py): plain decoding on the fast path,
+                  EAGLE-3 (greedy or sampled) with `resident`
+    resident.py   the same round as tensor ops, one CUDA graph per round (a plain step with no proposer)
     eagle3.py     proposers: EAGLE-3 chains and trees (+ FastDraft, its static cache and graphed steps);
     ngram.py,     prompt lookup; an independent draft model; the Proposer protocols and PerSequence
     independent.py, proposer.py
-    verify.py     the verifier: EagerVerifier (transformers' cache) and plain decoding;
+    verify.py     the verifier: EagerVerifier (transformers' cache; plain decoding's steps too);
     fast.py       FastTarget (static cache, CUDA graphs), the same interface plus graph-safe pieces
     tree.py       trees, masks, acceptance, accounting (SpecStats)
     cache.py      KV-cache moves, host-to-device copies, CUDA-graph capture, the drafter's static cache
@@ -54,7 +62,7 @@ from .resident import eligible, resident_generate
 from .tree import DraftTree, SpecStats, accept_greedy, accept_sampled, as_prompt, cut_tree, first_eos, left_pad, pick, tree_ancestry
 from .verify import EagerVerifier, rows_of
 
-__all__ = ["generate", "speculative_generate"]  # the rest lives where it is defined: tree, verify, proposer, cache
+__all__ = ["generate", "plain_generate", "plain_generate_batch", "speculative_generate"]  # the rest lives where it is defined: tree, verify, proposer, cache
 
 
 @torch.inference_mode()
@@ -69,8 +77,12 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     `fast` (a FastTarget) replaces the eager target forwards with static-cache / CUDA-graph
     ones; every verify then feeds the same number of rows (1 + the proposer's `max_nodes`).
     With `resident`, EAGLE-3 on the fast path runs its rounds on the device (resident.py;
-    `compile_round` compiles the round's pure parts there); this host loop runs everything else."""
-    if resident and eligible(fast, proposer, temperature):
+    `compile_round` compiles the round's pure parts there); this host loop runs everything else.
+    No proposer: plain decoding, the baseline. Eager, one row per sequence per step over the same
+    transformers cache (EagerVerifier.prefill_plain / step: its 2D padding mask, none at batch 1), no tree
+    and no cache moves; on the fast path always the resident loop's plain steps (resident.Plain: the token
+    fed back on the device, one CUDA graph per step), whatever `resident` says."""
+    if eligible(fast, proposer, resident):
         return resident_generate(target, proposer, prompts, max_new_tokens, depth, eos_ids, fast, compile_round,
                                  temperature, generator)
     B, dev = len(prompts), target.device
@@ -90,7 +102,8 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
 
     ids, pad, pos = left_pad(prompts, dev)
     P = ids.shape[1]
-    out = timed("target_s", runner.prefill, ids, pos, pad, max_new_tokens, n_rows)
+    prefill = runner.prefill if proposer is not None else runner.prefill_plain  # (eager only: fast is resident)
+    out = timed("target_s", prefill, ids, pos, pad, max_new_tokens, n_rows)
     tokens = [list(p) + [pick(out.logits[b, -1], temperature, generator)] for b, p in enumerate(prompts)]
     new = [[t[-1]] for t in tokens]
     done = [len(n) >= max_new_tokens or n[-1] in eos_ids for n in new]
@@ -98,12 +111,24 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     if proposer is not None and not all(done):
         timed("draft_s", proposer.start, tokens,
               [rows_of(out, b, torch.arange(int(pad[b]), P, device=dev)) for b in range(B)])
+    empty = DraftTree()
 
     while not all(done):
+        if proposer is None:
+            # Plain decoding: one row per sequence (its last token, the finished ones riding along) after the
+            # cache, no tree, no cache moves; every sequence draws, as one forward per token at batch 1 does.
+            out = timed("target_s", runner.step, [t[-1] for t in tokens])
+            picked = (out.logits[:, -1].argmax(-1).tolist() if temperature <= 0 else
+                      [pick(out.logits[b, -1], temperature, generator) for b in range(B)])
+            for b in range(B):
+                if not done[b]:
+                    commit_round(stats[b], empty, [], picked[b], tokens[b], new[b])
+                    done[b] = len(new[b]) >= max_new_tokens or new[b][-1] in eos_ids
+            continue
         # Never draft past the token budget: the bonus token always fits.
         max_depth = [0 if done[b] else min(depth, max_new_tokens - len(new[b]) - 1) for b in range(B)]
         trees = [DraftTree() for _ in range(B)]
-        if proposer is not None and any(max_depth):
+        if any(max_depth):
             trees = timed("draft_s", proposer.propose, max_depth)
         trees = [cut_tree(t, d) for t, d in zip(trees, max_depth)]
         N = 1 + max(len(t) for t in trees)
@@ -129,21 +154,8 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
                 outs.append(None)
                 continue
             path, bonus = accept_greedy(t, greedy[b]) if temperature <= 0 else accept_sampled(t, probs[b], generator)
-            committed = [t.tokens[i] for i in path] + [bonus]
-            emitted = committed[:first_eos(committed, eos_ids)]
-            st = stats[b]
-            st.rounds += 1
-            st.drafted_per_round.append(len(t))
-            st.accepted_per_round.append(len(path))
-            st.emitted_per_round.append(len(emitted))
-            tree_depth = max(t.depths(), default=0)
-            for j in range(tree_depth):
-                st.drafted[j] += 1
-                st.reached[j] += int(j <= len(path))
-                st.accepted[j] += int(j < len(path))
-            tokens[b] += emitted
-            new[b] += emitted
-            done[b] = len(new[b]) >= max_new_tokens or emitted[-1] in eos_ids
+            committed = commit_round(stats[b], t, path, bonus, tokens[b], new[b], eos_ids)
+            done[b] = len(new[b]) >= max_new_tokens or new[b][-1] in eos_ids
             rows = [0] + [i + 1 for i in path]
             e = int(end[b])
             move_b += [b] * len(rows)
@@ -154,7 +166,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             outs.append(None if done[b] else rows_of(out, b, h2d(rows, dev)))
         # Keep the root and the accepted path of every sequence, behind its committed rows.
         runner.keep(move_b, move_src, move_dst, int(end.max()), B * n_rows)  # end is on the host
-        if proposer is not None and not all(done):
+        if not all(done):
             # No sync: the drafter's feed runs on the GPU while the host starts the next round
             # (propose reads its tokens back, so its wait counts in draft_s too).
             timed("draft_s", proposer.commit, commits, outs, sync=False)
@@ -163,6 +175,42 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     for st, n in zip(stats, new):
         st.tokens, st.target_s, st.draft_s, st.wall_s = len(n), clock["target_s"], clock["draft_s"], wall
     return new, stats
+
+
+def commit_round(st: SpecStats, tree: DraftTree, path: list[int], bonus: int, tokens: list[int], new: list[int],
+                 eos_ids: Sequence[int] = ()) -> list[int]:
+    """One sequence's round: the accepted path's tokens and the bonus token, emitted up to the first EOS
+    (onto `tokens` and `new`) and counted in its stats. Returns the committed tokens (path + bonus)."""
+    committed = [tree.tokens[i] for i in path] + [bonus]
+    emitted = committed[:first_eos(committed, eos_ids)]
+    st.rounds += 1
+    st.drafted_per_round.append(len(tree))
+    st.accepted_per_round.append(len(path))
+    st.emitted_per_round.append(len(emitted))
+    for j in range(max(tree.depths(), default=0)):
+        st.drafted[j] += 1
+        st.reached[j] += int(j <= len(path))
+        st.accepted[j] += int(j < len(path))
+    tokens += emitted
+    new += emitted
+    return committed
+
+
+@torch.inference_mode()
+def plain_generate(target: Target, input_ids: Any, max_new_tokens: int, eos_ids: Sequence[int] = (),
+                   temperature: float = 0.0, generator: Optional[torch.Generator] = None,
+                   fast: Optional[FastTarget] = None) -> list[int]:
+    """Plain decoding at batch 1 (`generate` with no proposer). Returns the new tokens (EOS included)."""
+    return plain_generate_batch(target, [as_prompt(input_ids, "cpu")[0].tolist()], max_new_tokens, eos_ids, temperature,
+                                generator, fast)[0]
+
+
+@torch.inference_mode()
+def plain_generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int] = (),
+                         temperature: float = 0.0, generator: Optional[torch.Generator] = None,
+                         fast: Optional[FastTarget] = None) -> list[list[int]]:
+    """Plain decoding of a batch (`generate` with no proposer): the new tokens per prompt, EOS included."""
+    return generate(target, None, prompts, max_new_tokens, 0, eos_ids, temperature, generator, fast=fast)[0]
 
 
 @torch.inference_mode()

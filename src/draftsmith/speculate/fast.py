@@ -7,8 +7,9 @@ buffers) and each forward is replayed as one CUDA graph.
 
     FastTarget        the target over a transformers StaticCache. `verify` runs [B, N] rows under
                       the engine's tree mask (one graph per N), `keep` moves the accepted rows
-                      (one graph), `plain` is the whole plain decoding loop with the next token fed
-                      back on the GPU (one graph; the host looks at the tokens every few steps).
+                      (one graph); `verify_rows`, `move_columns` and `fn` (one forward) are the
+                      graph-safe pieces the resident loop (resident.py) replays inside its own graphs,
+                      plain decoding's step among them.
 (The drafter's side, StaticDraftCache and FastDraft, lives in cache.py and eagle3.py; Graphed in cache.py.)
 
 The target's attention on this path is draft.attention.decode_attention (the kernel picked by the
@@ -27,17 +28,17 @@ attention reads what the context uses, not every column allocated.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
 from ..messages import DraftsmithError, log
 from ..target.model import Target, TargetOutput
-from .cache import Graphed, additive, capture, copy_columns, h2d, reseed
+from .cache import Graphed, additive, copy_columns, h2d
 from .hfmodel import (DECODE_ATTENTION, DECODE_ATTENTION_CALLS, compile_regions, decode_attention_configs, fuse_rms_norms,
                       graph_safe_experts, join_rotaries)
 from .skinny import linear_modules, resolve_verify_gemm, switched
-from .tree import committed_columns, device_tree_mask, first_eos, left_pad, pick_on_device, prefill_mask
+from .tree import committed_columns, device_tree_mask, prefill_mask
 
 MODES = ("off", "static", "graphs", "compile")
 
@@ -114,7 +115,6 @@ class FastTarget:
         self.linears = linear_modules(target.model) if self.verify_gemm == "skinny" else []  # tuned here, before any capture
         self.B = self.S = 0
         self.reallocations = 0
-        self.gen: Optional[torch.Generator] = None  # sampled plain decoding draws from it (plain)
         self.ensure(batch_size, max_len)
 
     # -- allocation ---------------------------------------------------------------------
@@ -141,7 +141,7 @@ class FastTarget:
         self.length = torch.zeros((), dtype=torch.long, device=self.device)  # every layer's cumulative_length (_write)
         self.verify_g = Graphed(self.verify_rows, self.graphs)
         self.keep_g = Graphed(self.move_columns, self.graphs)
-        self.plain_graphs: dict[tuple, Any] = {}
+        self.resident: dict[tuple, Any] = {}  # resident.py's plain decoding over this cache, by its shape (dropped with it)
         self.past = 0
         self.stacked: Optional[tuple] = None  # every layer's keys and values as views of two stacks (_adopt); () = none
 
@@ -303,76 +303,3 @@ class FastTarget:
                 self.keep_g(*h2d([[0] * n, [spare] * n, [spare] * n], self.device))
             self.keep_g(*idx)
         self.past = length
-
-    # -- plain decoding: the baseline -----------------------------------------------------
-
-    @torch.inference_mode()
-    def plain(self, prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int] = (),
-              temperature: float = 0.0, check_every: int = 8, generator: Optional[torch.Generator] = None) -> list[list[int]]:
-        """Plain decoding of a (left-padded) batch, one target forward per token, the token fed
-        back on the device; the host reads the tokens every `check_every` steps to stop at EOS.
-        Sampled: the draws come from FastTarget's own generator (the one its graph registers),
-        seeded from `generator` at the start (cache.reseed): the same seed, the same tokens."""
-        ids, pad, pos = left_pad(prompts, self.device)
-        B, P = ids.shape
-        out = self.prefill(ids, pos, pad, max_new_tokens)
-        if temperature > 0 and self.gen is None:
-            self.gen = torch.Generator(device=self.device)
-        st = self._plain_state()
-        st["pos"].copy_(pos[:, -1:] + 1)
-        st["past"].fill_(P)
-        st["start"].copy_(pad)
-        st["i"].fill_(1)
-        step = self._plain_step(temperature)  # may capture: after the state is this run's (its warm-up writes column P)
-        if temperature > 0:
-            reseed(self.gen, generator)
-        first = pick_on_device(out.logits[:, -1], temperature, self.gen)
-        st["tok"].copy_(first[:, None])
-        st["buf"][:, 0] = first
-        n, got = 1, None
-        while n < max_new_tokens:
-            todo = min(check_every, max_new_tokens - n)
-            for _ in range(todo):
-                step()
-            n += todo
-            got = st["buf"][:, :n].tolist()  # the one device read per check
-            if eos_ids and all(any(t in eos_ids for t in g) for g in got):
-                break
-        if got is None:  # a single new token: no step ran
-            got = st["buf"][:, :1].tolist()
-        self.past = P + n
-        return [g[:first_eos(g, eos_ids)][:max_new_tokens] for g in got]
-
-    def _plain_state(self) -> dict:
-        if getattr(self, "_state_for", None) != (self.B, self.S):
-            dev, B = self.device, self.B
-            self._state = {"tok": torch.zeros(B, 1, dtype=torch.long, device=dev),
-                           "pos": torch.zeros(B, 1, dtype=torch.long, device=dev),
-                           "past": torch.zeros((), dtype=torch.long, device=dev),
-                           "start": torch.zeros(B, dtype=torch.long, device=dev),
-                           "buf": torch.zeros(B, self.S, dtype=torch.long, device=dev),
-                           "i": torch.zeros(1, dtype=torch.long, device=dev)}
-            self._state_for = (self.B, self.S)
-            self.plain_graphs = {}
-        return self._state
-
-    def _plain_step(self, temperature: float) -> Callable[[], None]:
-        st, cols = self._state, self.cols[:self.W]
-
-        def step():
-            mask = ((cols >= st["start"][:, None]) & (cols <= st["past"]))[:, None, :]
-            logits, _, _ = self.fn(st["tok"], st["pos"], st["past"], mask)
-            nxt = pick_on_device(logits[:, -1], temperature, self.gen)
-            st["tok"].copy_(nxt[:, None])
-            st["pos"].add_(1)
-            st["past"].add_(1)
-            st["buf"].index_copy_(1, st["i"], nxt[:, None])
-            st["i"].add_(1)
-
-        if not self.graphs:
-            return step
-        key = (temperature, self.W)  # one graph per sampling setting and attention width
-        if key not in self.plain_graphs:
-            gens = (self.gen,) if temperature > 0 and self.device.type == "cuda" else ()
-            self.plain_graphs[key], _ = capture(step, state=st, generators=gens)  # the warm-up step's advance is undone
-        return self.plain_graphs[key].replay

@@ -21,13 +21,12 @@ from ..config import Recipe
 from ..draft.io import load_drafter, read_drafter_config
 from ..target.model import load_target
 from .eagle3 import Eagle3Proposer, FastDraft
-from .engine import generate
+from .engine import generate, plain_generate_batch
 from .fast import FastTarget, choose_mode, fast_target_or_none
 from .hybrid import HybridProposer
 from .ngram import NgramProposer
 from .proposer import PerSequence
 from .skinny import resolve_verify_gemm
-from .verify import plain_generate, plain_generate_batch
 
 
 def load_models(recipe: Recipe, drafter_dir: Path):
@@ -137,15 +136,11 @@ def make_proposer(method: str, drafter, cfg, batch: int, generator=None, runners
 
 def decode_plain(target, prompts: list[list[int]], cfg, eos_ids, generator=None, runners: DecodeRunners = EAGER_RUNNERS,
                  max_new_tokens=None) -> list[list[int]]:
-    """Plain decoding, the baseline: on the fast path its own graphed loop (the token fed back on
-    the GPU), else one eager forward per token."""
-    n, T = max_new_tokens or cfg.max_new_tokens, cfg.temperature
-    fast = runners.get(len(prompts))[0]
-    if fast is not None:
-        return fast.plain(prompts, n, eos_ids, T, generator=generator)
-    if len(prompts) == 1:
-        return [plain_generate(target, prompts[0], n, eos_ids, T, generator)]
-    return plain_generate_batch(target, prompts, n, eos_ids, T, generator)
+    """Plain decoding, the baseline: the decode loop with no proposer, over the runners' cache: on the fast
+    path the resident loop's steps (the token fed back on the GPU, one graph per step), else one eager
+    forward per token on the host."""
+    return plain_generate_batch(target, prompts, max_new_tokens or cfg.max_new_tokens, eos_ids, cfg.temperature, generator,
+                                fast=runners.get(len(prompts))[0])
 
 
 def decode(target, drafter, method: str, prompts: list[list[int]], cfg, eos_ids, generator=None, max_new_tokens=None,

@@ -1,4 +1,5 @@
-"""EAGLE-3 rounds that stay on the device: one CUDA graph per round, no host work between.
+"""The device-resident decode loop: EAGLE-3 rounds, or plain decoding's steps, one CUDA graph each, no host
+work between (the engine's other loop, `engine.generate`, is the host's).
 
 The engine's host loop (`engine.generate`) reads every round's drafts and the target's argmax back
 to the host, builds the tree and the verify inputs there and walks the acceptance there: two
@@ -31,7 +32,12 @@ Sequences that finished only ride along (every update is masked). With CUDA grap
 replays one graph per round and reads one flag per round, a round late, so the GPU always has
 the next round queued; the round after the last is a masked no-op. The host loop stays the path
 for eager decoding and proposers other than EAGLE-3; greedy outputs are the same, sampled ones have
-the same law (tests).
+the same law (tests; tests/test_resident.py::test_resident_acceptance_matches_tree_round_by_round holds
+accept, accept_sampled_chain and pick_sampled_tree to tree.py's acceptance on the same trees and draws).
+
+With no proposer the loop is plain decoding on the fast path (Plain, resident_plain): one row per sequence
+per step over the FastTarget's cache, the next token picked on the device and fed back; the same host
+side (`drive`) replays it, reading one "every sequence hit EOS" flag a step late (none without EOS ids).
 """
 from __future__ import annotations
 
@@ -45,17 +51,20 @@ import torch
 from .cache import capture, capture_failed, copy_columns, h2d, reseed
 from .eagle3 import Eagle3Proposer
 from .fast import FastTarget
-from .tree import SpecStats, committed_columns, device_tree_mask, left_pad, pick, sample_race
+from .tree import SpecStats, committed_columns, device_tree_mask, first_eos, left_pad, pick, pick_on_device, sample_race
 from .verify import rows_of
 
 phase = torch.profiler.record_function  # labels a round's phases for benchmarks/count_round_ops.py (no-op unprofiled)
 
 
-def eligible(fast, proposer, temperature: float) -> bool:
-    """The resident path runs EAGLE-3 proposals on a FastTarget with a FastDraft, greedy or sampled
-    (chains whose drafts are drawn from q: accept_sampled_chain; trees: pick_sampled_tree, or sample_race
-    where every draft is fixed, and accept), as the host loop does with tree.accept_sampled."""
-    return fast is not None and isinstance(proposer, Eagle3Proposer) and proposer.fast is not None
+def eligible(fast, proposer, resident: bool) -> bool:
+    """Whether engine.generate runs on the device here: plain decoding (no proposer) on a FastTarget always
+    (nothing of it needs the host); with `resident`, EAGLE-3 proposals on a FastTarget with a FastDraft,
+    greedy or sampled (chains whose drafts are drawn from q: accept_sampled_chain; trees: pick_sampled_tree,
+    or sample_race where every draft is fixed, and accept), as the host loop does with tree.accept_sampled."""
+    if fast is None:
+        return False
+    return proposer is None or resident and isinstance(proposer, Eagle3Proposer) and proposer.fast is not None
 
 
 # ----------------------------------------------------------------------------- the round's parts
@@ -391,26 +400,8 @@ class Resident:
         step = None if bool(host[:, 4].all()) else self._replay()
         if self.temperature > 0:
             reseed(self.gen, seed_from)
-        cuda = dev.type == "cuda"
-        flags = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]
-        events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        r, pending = 0, None
-        while step is not None:
-            if r > self.max_new + 2:
-                raise RuntimeError("resident rounds: a round emitted nothing (a bug); the sequences never finished")
-            step()
-            i = r % 2
-            flags[i].copy_(st["done"].all(), non_blocking=cuda)
-            if not cuda:
-                if bool(flags[i]):
-                    break
-            else:
-                events[i].record()
-                if pending is not None:  # read the round before this one: the GPU has this round queued
-                    events[pending].synchronize()
-                    if bool(flags[pending]):
-                        break
-            pending, r = i, r + 1
+        if step is not None and not drive(step, lambda: st["done"].all(), self.max_new + 3, dev.type == "cuda")[1]:
+            raise RuntimeError("resident rounds: a round emitted nothing (a bug); the sequences never finished")
         n_gen = st["n_gen"].tolist()
         buf, rounds = st["buf"].tolist(), st["rounds"].tolist()
         per = {k: st[k].tolist() for k in ("r_drafted", "r_accepted", "r_emitted", "drafted", "reached", "accepted")}
@@ -424,6 +415,129 @@ class Resident:
         return new, stats
 
 
+def drive(step, done, limit: int, cuda: bool) -> tuple[int, bool]:
+    """The resident loop's host side, the same for speculative rounds and plain steps: replay `step` until
+    `done()` (a 0-d bool device tensor; None: no flag, `limit` steps) holds or `limit` steps ran. On CUDA the
+    flag is read a step late, so the GPU always has the next step queued (the step after the last is a
+    no-op: a round's updates are masked, a plain step's token is cut on the host). Returns (steps run,
+    whether done was seen)."""
+    if done is None:
+        for _ in range(limit):
+            step()
+        return limit, False
+    flags = [torch.zeros((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]
+    events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+    pending = None
+    for r in range(limit):
+        step()
+        i = r % 2
+        flags[i].copy_(done(), non_blocking=cuda)
+        if not cuda:
+            if bool(flags[i]):
+                return r + 1, True
+            continue
+        events[i].record()
+        if pending is not None:  # read the step before this one: the GPU has this step queued
+            events[pending].synchronize()
+            if bool(flags[pending]):
+                return r + 1, True
+        pending = i
+    if pending is not None:
+        events[pending].synchronize()
+        return limit, bool(flags[pending])
+    return limit, False
+
+
+class Plain:
+    """Plain decoding on the device: the resident loop with no proposer. One row per sequence per step
+    over the FastTarget's static cache, the next token picked and fed back on the device (argmax, or the
+    exponential race for sampling: tree.pick_on_device), one CUDA graph per step; no draft, no tree, no
+    column moves. With EOS ids the step also marks the sequences that emitted one (3 small kernels), and
+    the host stops a step after every sequence has (drive); without, it runs max_new_tokens - 1 steps
+    and reads nothing in between. Kept on the FastTarget per (width, temperature, EOS ids) and dropped
+    with its cache, so its graph is replayed by every later generation of that shape."""
+
+    def __init__(self, ft: FastTarget, temperature: float, eos_ids: Sequence[int]):
+        dev, B = ft.device, ft.B
+        Z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
+        self.ft, self.temperature = ft, temperature
+        # a sampled step draws from its own generator (the one its graph registers), seeded per run (cache.reseed)
+        self.gen = torch.Generator(device=dev) if temperature > 0 else None
+        self.eos_ids = tuple(eos_ids)
+        self.eos = h2d(list(eos_ids), dev, torch.long) if eos_ids else None
+        self.state = {"tok": Z(B, 1), "pos": Z(B, 1), "past": Z(), "start": Z(B), "buf": Z(B, ft.S), "i": Z(1),
+                      "hit": Z(B, dt=torch.bool)}
+        self.cols = ft.cols[:ft.W]  # the columns the forwards attend over (FastTarget.attend)
+        self.graph = None
+
+    def step(self) -> None:
+        st = self.state
+        mask = ((self.cols >= st["start"][:, None]) & (self.cols <= st["past"]))[:, None, :]
+        logits, _, _ = self.ft.fn(st["tok"], st["pos"], st["past"], mask)
+        nxt = pick_on_device(logits[:, -1], self.temperature, self.gen)
+        st["tok"].copy_(nxt[:, None])
+        st["pos"].add_(1)
+        st["past"].add_(1)
+        st["buf"].index_copy_(1, st["i"], nxt[:, None])
+        st["i"].add_(1)
+        if self.eos is not None:
+            st["hit"] |= (nxt[:, None] == self.eos).any(-1)
+
+    def _replay(self):
+        """The step as a callable: its CUDA graph's replay (captured on first use; no fallback: a failed
+        capture raises), or the eager step."""
+        if not self.ft.graphs:
+            return self.step
+        if self.graph is None:  # the warm-up step's advance of the state is undone (its cache write is redone)
+            gens = (self.gen,) if self.temperature > 0 and self.ft.device.type == "cuda" else ()
+            self.graph, _ = capture(self.step, state=self.state, generators=gens)
+        return self.graph.replay
+
+    def run(self, last_logits, pos, pad, P: int, max_new: int, generator=None) -> list[list[int]]:
+        """Steps after the prefill (`last_logits` [B, V]: its last row) until max_new tokens or every
+        sequence's EOS; the new tokens per sequence, cut after the first EOS. Sampled: self.gen seeded
+        from `generator` after any capture, then the prefill's token drawn from it too."""
+        st = self.state
+        st["pos"].copy_(pos[:, -1:] + 1)
+        st["past"].fill_(P)
+        st["start"].copy_(pad)
+        st["i"].fill_(1)
+        step = self._replay()  # may capture: after the state is this run's (its warm-up writes column P)
+        if self.temperature > 0:
+            reseed(self.gen, generator)
+        first = pick_on_device(last_logits, self.temperature, self.gen)
+        st["tok"].copy_(first[:, None])
+        st["buf"][:, 0] = first
+        if self.eos is not None:
+            st["hit"].copy_((first[:, None] == self.eos).any(-1))
+        done = None if self.eos is None else (lambda: st["hit"].all())
+        steps, _ = drive(step, done, max_new - 1, self.ft.device.type == "cuda")
+        n = 1 + steps
+        got = st["buf"][:, :n].tolist()  # the one device read of the generation
+        self.ft.past = P + n
+        return [g[:first_eos(g, self.eos_ids)][:max_new] for g in got]
+
+
+def resident_plain(prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int], fast: FastTarget,
+                   temperature: float = 0.0, generator=None) -> tuple[list[list[int]], list[SpecStats]]:
+    """`engine.generate` with no proposer on the fast path: plain decoding, every step on the device
+    (Plain). Same returns: (new tokens, SpecStats) per sequence (one token per round; target_s and
+    draft_s None). Sampled: the draws, the prefill's too, come from the step's own generator, seeded
+    from `generator`: the same seed, the same tokens."""
+    t_start = time.perf_counter()
+    ids, pad, pos = left_pad(prompts, fast.device)
+    out = fast.prefill(ids, pos, pad, max_new_tokens)
+    key = (fast.W, temperature, tuple(eos_ids))  # the step's graph: one per attention width and sampling setting
+    plain = fast.resident.get(key)
+    if plain is None:  # also after prefill re-allocated the cache (FastTarget.ensure empties fast.resident)
+        plain = fast.resident[key] = Plain(fast, temperature, eos_ids)
+    new = plain.run(out.logits[:, -1], pos, pad, ids.shape[1], max_new_tokens, generator)
+    wall = time.perf_counter() - t_start
+    return new, [SpecStats(rounds=len(n) - 1, tokens=len(n), drafted_per_round=[0] * (len(n) - 1),
+                           accepted_per_round=[0] * (len(n) - 1), emitted_per_round=[1] * (len(n) - 1),
+                           target_s=None, draft_s=None, wall_s=wall) for n in new]
+
+
 def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens: int, depth: int,
                       eos_ids: Sequence[int], fast: FastTarget, compile_round: bool = False, temperature: float = 0.0,
                       generator=None):
@@ -431,7 +545,10 @@ def resident_generate(target, proposer, prompts: list[list[int]], max_new_tokens
     on the device. Same returns: (new tokens, SpecStats) per sequence; target_s and draft_s are None (one
     graph does both). `compile_round`: the round's pure parts compiled by inductor (round_parts); the same
     outputs. Sampled: the prefill's token is drawn on the host as engine.generate does (`generator`), the
-    rounds from the round's own generator, seeded from the proposer's."""
+    rounds from the round's own generator, seeded from the proposer's. No proposer: plain decoding
+    (resident_plain)."""
+    if proposer is None:
+        return resident_plain(prompts, max_new_tokens, eos_ids, fast, temperature, generator)
     B, dev = len(prompts), target.device
     t_start = time.perf_counter()
     ids, pad, pos = left_pad(prompts, dev)

@@ -1,21 +1,21 @@
-"""The verifier on the eager target, and plain decoding (the reference every speculative output equals).
+"""The verifier on the eager target (plain decoding's steps too: the reference every speculative output equals).
 
     EagerVerifier          the target over transformers' own (dynamic) KV cache: prefill, verify, keep, past
                            (fast.FastTarget is the same interface over a static cache, graphed)
     verify_forward         THE eager verify forward: [B, N] tokens under a bool tree mask
     rows_of                a sequence's rows of a forward's output (what proposers are fed)
-    plain_generate         one target forward per token, batch 1
-    plain_generate_batch   the same for a left-padded batch (HF 2D padding mask)
+
+Plain decoding is engine.generate with no proposer (EagerVerifier.prefill_plain, then one `step` per token).
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
 from ..target.model import Target, TargetOutput
 from .cache import additive, h2d, move_rows
-from .tree import as_prompt, left_pad, pick, prefill_mask, tree_mask
+from .tree import prefill_mask, tree_mask
 
 
 def verify_forward(target: Target, cache: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -31,6 +31,7 @@ class EagerVerifier:
 
     def __init__(self, target: Target):
         self.target, self.cache = target, None
+        self.mask = self.pos = None  # plain decoding's 2D padding mask and next positions (prefill_plain, step)
 
     @property
     def past(self) -> int:
@@ -41,6 +42,22 @@ class EagerVerifier:
                                   position_ids=pos, use_cache=True)
         self.cache = out.past_key_values
         return out
+
+    def prefill_plain(self, ids, pos, pad, max_new_tokens: int = 0, max_rows: int = 1) -> TargetOutput:
+        """Plain decoding's prefill (engine.generate with no proposer): transformers' own 2D padding mask,
+        or none at batch 1 (nothing to hide: the model's causal attention alone)."""
+        self.mask = (torch.arange(ids.shape[1], device=ids.device)[None] >= pad[:, None]).long() if len(ids) > 1 else None
+        out = self.target.forward(ids, attention_mask=self.mask, position_ids=pos, use_cache=True)
+        self.cache, self.pos = out.past_key_values, pos[:, -1:]
+        return out
+
+    def step(self, tokens: list[int]) -> TargetOutput:
+        """Plain decoding's step: one row per sequence (its last token) after the cache."""
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.pos = self.pos + 1
+        return self.target.forward(torch.tensor(tokens, device=self.pos.device)[:, None], attention_mask=self.mask,
+                                   position_ids=self.pos, past_key_values=self.cache, use_cache=True)
 
     def verify(self, ids, pos, start, end, anc, n_rows: int = 0) -> TargetOutput:
         """Host tensors in (as FastTarget.verify): [B, N] rows after the cache's `past` columns."""
@@ -56,43 +73,3 @@ def rows_of(out: TargetOutput, b: int, rows: torch.Tensor) -> TargetOutput:
     return TargetOutput(logits=None if out.logits is None else out.logits[b:b + 1, rows],
                         aux_hidden=out.aux_hidden[b:b + 1, rows],
                         final_hidden=None if out.final_hidden is None else out.final_hidden[b:b + 1, rows])
-
-
-@torch.inference_mode()
-def plain_generate(target: Target, input_ids: Any, max_new_tokens: int, eos_ids: Sequence[int] = (),
-                   temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> list[int]:
-    """Decoding at batch 1, one target forward per token. Returns the new tokens (EOS included)."""
-    ids = as_prompt(input_ids, target.device)
-    out = target.forward(ids, use_cache=True)
-    cache, new = out.past_key_values, []
-    while True:
-        tok = pick(out.logits[0, -1], temperature, generator)
-        new.append(tok)
-        if len(new) >= max_new_tokens or tok in eos_ids:
-            return new
-        out = target.forward(torch.tensor([[tok]], device=ids.device), past_key_values=cache, use_cache=True)
-
-
-@torch.inference_mode()
-def plain_generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int] = (),
-                         temperature: float = 0.0, generator: Optional[torch.Generator] = None) -> list[list[int]]:
-    """Plain decoding of a left-padded batch (HF's own 2D padding mask); finished sequences ride along."""
-    dev = target.device
-    ids, pad, pos = left_pad(prompts, dev)
-    mask = (torch.arange(ids.shape[1], device=dev)[None] >= pad[:, None]).long()
-    out = target.forward(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    cache, new = out.past_key_values, [[] for _ in prompts]
-    done = [False] * len(prompts)
-    last_pos = pos[:, -1:]
-    while True:
-        step = [pick(out.logits[b, -1], temperature, generator) for b in range(len(prompts))]
-        for b, tok in enumerate(step):
-            if not done[b]:
-                new[b].append(tok)
-                done[b] = len(new[b]) >= max_new_tokens or tok in eos_ids
-        if all(done):
-            return new
-        last_pos = last_pos + 1
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        out = target.forward(torch.tensor(step, device=dev)[:, None], attention_mask=mask, position_ids=last_pos,
-                             past_key_values=cache, use_cache=True)
