@@ -88,11 +88,11 @@ def candidate_fn(name: str, dev: torch.device):
         return F.linear, (lambda: torch.backends.cuda.preferred_blas_library("cublaslt"),
                           lambda: torch.backends.cuda.preferred_blas_library(before))
     if name == "compile":
-        import torch._dynamo
-
+        from torch import _dynamo  # not `import torch._dynamo`: that binds `torch` locally for the whole function,
+        # and the cublaslt branch above then raised UnboundLocalError (every cublaslt figure of the H100 run of 2026-12-07)
         for attr in ("cache_size_limit", "recompile_limit"):  # one compile per (M, N, K)
-            if hasattr(torch._dynamo.config, attr):
-                setattr(torch._dynamo.config, attr, 512)
+            if hasattr(_dynamo.config, attr):
+                setattr(_dynamo.config, attr, 512)
         return torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False), None
     raise ValueError(name)
 
