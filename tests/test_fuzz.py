@@ -230,26 +230,26 @@ def write_tensors(path: Path, spec: dict) -> None:
     save_file(tensors, str(path))
 
 
-def check_vocab(tmp: Path, inp: dict) -> str:
-    from draftsmith.draft.vocab import load_vocab
-
-    path = tmp / "vocab.safetensors"
+def check_safetensors_reader(tmp: Path, inp: dict, name: str, read) -> str:
+    """A file `name` made of `inp` (its tensors, or raw bytes), read by `read`."""
+    path = tmp / name
     if "tensors" in inp:
         write_tensors(path, inp["tensors"])
     else:
         path.write_bytes(materialize(inp))
-    return outcome(lambda: load_vocab(path), path)
+    return outcome(lambda: read(path), path)
+
+
+def check_vocab(tmp: Path, inp: dict) -> str:
+    from draftsmith.draft.vocab import load_vocab
+
+    return check_safetensors_reader(tmp, inp, "vocab.safetensors", load_vocab)
 
 
 def check_shard(tmp: Path, inp: dict) -> str:
     from draftsmith.data.shards import read_shard
 
-    path = tmp / "shard-00000.safetensors"
-    if "tensors" in inp:
-        write_tensors(path, inp["tensors"])
-    else:
-        path.write_bytes(materialize(inp))
-    return outcome(lambda: read_shard(path), path)
+    return check_safetensors_reader(tmp, inp, "shard-00000.safetensors", read_shard)
 
 
 def check_drafter_config(tmp: Path, config: Any) -> str:
