@@ -123,7 +123,7 @@ def atomic_save_safetensors(path: str | Path, tensors: dict, metadata: dict[str,
     order: keys are sorted before saving, and the header is rewritten canonically, because
     safetensors emits `__metadata__` in Rust hash order, which changes from call to call."""
     from safetensors.torch import (
-        save,  # why here: it imports torch (~1.5 s); status and plan read artifacts without it
+        save,  # why here: it imports torch (~1.5 s); status and plan read the run directory without it
     )
 
     data = save({k: tensors[k].contiguous() for k in sorted(tensors)},
@@ -240,8 +240,6 @@ def checksum_matches(path: Path, sha256: str, verified: dict) -> bool:
         return False
     verified[path.name] = stamp
     return True
-
-
 
 
 def to_jsonable(obj: Any) -> Any:

@@ -70,7 +70,7 @@ def hardware_info() -> dict[str, Any]:
     info: dict[str, Any] = {"host": socket.gethostname(), "platform": platform.platform(),
                             "cpu_count": os.cpu_count()}
     try:
-        import torch  # why here: ~1.5 s to import; status and plan read artifacts without it
+        import torch  # why here: ~1.5 s to import; status and plan read manifests without it
 
         info["torch_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():

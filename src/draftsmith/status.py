@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from .fileio import JSON_ERRORS, atomic_write_text
+from .fileio import JSON_ERRORS, atomic_write_text, read_json
 from .manifests import Figures, ManifestHead, load_manifest
 from .messages import DraftsmithError
 from .rundir import RECIPE_FILE, LEDGER, Ledger, stage_command, stage_dir
@@ -565,9 +565,9 @@ def _prediction_facts(run_dir: Path, ev_m: dict) -> list[Optional[dict]]:
             predicted = None
     elif (run_dir / "plan.json").exists() and k:
         try:
-            predicted = speedup_at(json.loads((run_dir / "plan.json").read_text()), 1, k)
+            predicted = speedup_at(read_json(run_dir / "plan.json"), 1, k)
             src = f"plan.json: rows[batch 1, k={k}]"
-        except (*JSON_ERRORS, OSError, KeyError, TypeError, AttributeError):
+        except (DraftsmithError, KeyError, TypeError, AttributeError):
             predicted = None
     if _number(predicted) is None:
         return [fact("planner prediction", "none yet (no step_costs in the eval manifest, no plan.json); "
@@ -666,12 +666,12 @@ def discoveries(run_dir: Path, recipe: dict, manifests: dict[str, dict]) -> list
     probe = run_dir / "probe" / "results.json"
     if probe.exists():
         try:
-            pr = json.loads(probe.read_text(encoding="utf-8"))
+            pr = read_json(probe)
             facts.append(fact("aux layers by measurement",
                               f"best {pr['best']['layers']} (probe accuracy {pr['best']['accuracy']:.3f}) "
                               f"vs default {pr['default']['layers']} ({pr['default']['accuracy']:.3f})",
                               "probe/results.json: best, default"))
-        except (*JSON_ERRORS, OSError, KeyError, TypeError):
+        except (DraftsmithError, KeyError, TypeError):
             pass
     return [f for f in facts if f]
 
