@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..fileio import atomic_save_safetensors, remove_temp_files, sha256_file
+from ..fileio import atomic_save_safetensors, sha256_file
 from ..manifests import finish_manifest, fingerprint_path, load_manifest, new_manifest, verify_shards, write_manifest
 from ..messages import DraftsmithError, log
 from ..rundir import RECIPE_FILE, stage_dir
@@ -83,7 +83,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
     if same and m["status"] == "running":
         for p in verify_shards(out, m):
             token_counts += _masked_counts(read_shard(p, with_hidden=False), vocab)
-        remove_temp_files(out)
         log(f"[prepare] resuming after {len(m['shards'])} shard(s), at source record {m['state']['next_record']:,}")
     else:
         if m is not None:

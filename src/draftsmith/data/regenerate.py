@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
-from ..fileio import atomic_save_safetensors, atomic_write_bytes, atomic_write_text, read_jsonl_whole, remove_temp_files, to_jsonable
+from ..fileio import atomic_save_safetensors, atomic_write_bytes, atomic_write_text, read_jsonl_whole, to_jsonable
 from ..manifests import finish_manifest, load_manifest, new_manifest, require_complete, verify_shards, write_manifest
 from ..messages import DraftsmithError, log
 from ..rundir import rerun_command, stage_dir
@@ -345,7 +345,6 @@ def run(recipe: Recipe, run_dir: Path, fp: str) -> dict:
                        "loss_tokens": 0, "answers_reencoded": 0, "prompt_mismatch": 0}
         atomic_write_text(out / ERRORS_FILE, "")
         write_manifest(out, m)
-    remove_temp_files(out)
     for key in ("answers_reencoded", "prompt_mismatch"):  # a run resumed from an older manifest
         m["counts"].setdefault(key, 0)
     m["config"] = to_jsonable(cfg)  # the request settings this run uses (a retry's may differ from the first run's)
