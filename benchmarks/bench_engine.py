@@ -70,7 +70,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.fileio import atomic_write_json# noqa: E402
+from draftsmith.draft import flash_decode as flash  # noqa: E402
+from draftsmith.fileio import atomic_write_json  # noqa: E402
 from draftsmith.config import DraftConfig  # noqa: E402
 from draftsmith.draft.build import drafter_config  # noqa: E402
 from draftsmith.draft.model import Eagle3Drafter  # noqa: E402
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget_s", type=float, default=170.0, help="start no new configuration after this many seconds")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bfloat16 (GPU), float32 (CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verify_gemm", default="auto", choices=["auto", "cublas", "skinny"],
+                    help="evaluate.verify_gemm for plain and speculative forwards alike (auto: skinny where it runs)")
     ap.add_argument("--bound_only", action="store_true",
                     help="print the weight-bandwidth ceiling of speedup / tau (weight_bound) and stop: the models on "
                          "the meta device, no GPU, nothing timed")
@@ -363,7 +366,7 @@ def main(argv=None) -> int:
     target = build_target(dims, dev, dtype, a.seed)
     drafter = build_drafter(target, dims, a.seed + 1)
     V = target.vocab_size
-    runners = DecodeRunners(target, drafter, mode)
+    runners = DecodeRunners(target, drafter, mode, verify_gemm=a.verify_gemm)
     t_built = time.perf_counter() - t_start
     print(f"[bench_engine] {name}: target {sum(p.numel() for p in target.model.parameters()) / 1e9:.2f}B params, "
           f"drafter {sum(p.numel() for p in drafter.parameters() if p is not drafter.embed_tokens.weight) / 1e6:.0f}M "
@@ -385,6 +388,7 @@ def main(argv=None) -> int:
     fwd1 = costs["target_forward_ms"]["1"]
     result = {"config": name, "dims": dims, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "dtype": str(dtype).replace("torch.", ""), "path": runners.mode, "torch": torch.__version__,
+              "verify_gemm": runners.verify_gemm, "flash_decode": flash.ENABLED and flash.triton is not None and cuda,
               "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "tau_set": a.tau, "prompt_len": P, "max_new_tokens": max_new, "draft_steps": D,
               "tree": {"topk": a.tree_topk, "budget": a.tree_budget, "depth": D},
               "tau_expected": round((max_new - 1) / math.ceil((max_new - 1) / a.tau), 4),
@@ -457,6 +461,9 @@ def main(argv=None) -> int:
                     "speedup_over_tau_set": round(speedup / a.tau, 4),
                     "equal_to_plain": f"{sum(x == y for x, y in zip(new, ref))}/{B}"}
                 result[f"engine_eff_{name}_bs{B}_{method}{'' if loop == 'resident' else '_' + loop}"] = r["engine_eff"]
+                r["ceiling_fraction"] = round(r["engine_eff"] / result[f"engine_eff_bound_{name}"], 4)
+                if loop == "resident":  # issue 50: speedup / tau against the weight-bandwidth ceiling of it
+                    result[f"engine_ceiling_fraction_bs{B}_{method}"] = r["ceiling_fraction"]
                 if a.profile and cuda and B == 1:
                     r["profile"] = kernel_profile(lambda: run(), rounds)
                 print(f"[bench_engine] batch {B} {method} {loop}: tau {tau:.3f}, x{speedup:.3f}, "

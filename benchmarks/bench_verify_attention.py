@@ -13,9 +13,11 @@ plus each row's ancestors among the new rows; a chain here), in these variants:
     fold        the query heads that share a KV head folded into that head's rows (N rows become
                 n_rep * N rows of 8 heads), SDPA with a boolean mask: no K/V copies, one KV read a head
     fold_mm     the same folding, two batched matmuls and a float32 softmax (no attention kernel)
+    flash       draft/flash_decode.py's fused kernel (folded rows, one KV read a head, split columns and a
+                combine kernel), its own split choice; flash_s<k>: k column tiles of 64 per split
     draftsmith  draft.attention.decode_attention with the boolean mask: what the drafter and the fast
-                path's target run (SDPA enable_gqa for one row and for many, fold_mm for a few; its
-                kernel for each N is listed under "draftsmith_kernel")
+                path's target run (flash where the kernel applies, else SDPA enable_gqa for one row and
+                for many, fold_mm for a few; its kernel for each N is listed under "draftsmith_kernel")
     <v>_<kernel> hf, gqa or fold with one kernel forced: cudnn, efficient, math (where it runs)
 
 Each is timed as CUDA-graph replays of 20 calls (the decode path replays graphs), and checked against
@@ -38,7 +40,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from draftsmith.fileio import atomic_write_json# noqa: E402
+from draftsmith.draft import flash_decode as flash  # noqa: E402
+from draftsmith.fileio import atomic_write_json  # noqa: E402
 from draftsmith.speculate.cache import capture  # noqa: E402
 from draftsmith.draft.attention import decode_attention, decode_kernel  # noqa: E402
 
@@ -79,6 +82,11 @@ def variants(q, k, v, mask):
 
     out["fold"] = (None, fold(lambda qf: F.scaled_dot_product_attention(qf, k, v, attn_mask=fold_mask)))
     out["fold_mm"] = (None, fold(mm))
+    if flash.applies(q, k, v, mask):
+        out["flash"] = (None, lambda: flash.flash_decode(q, k, v, mask, d ** -0.5))
+        for sb in (1, 2, 4, 8):
+            if -(-k.shape[2] // (64 * sb)) <= flash.MAX_SPLITS:
+                out[f"flash_s{sb}"] = (None, lambda sb=sb: flash.flash_decode(q, k, v, mask, d ** -0.5, split_blocks=sb))
     out["draftsmith"] = (None, lambda: decode_attention(q, k, v, mask, d ** -0.5))
     for kern in KERNELS:
         out[f"hf_{kern}"] = (kern, out["hf"][1])
@@ -175,7 +183,8 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "dtype": str(dtype).replace("torch.", ""), "shape": shape, "rows": rows, "cols": cols,
-              "draftsmith_kernel": {f"N{N}": decode_kernel(N, shape["heads"] // shape["kv_heads"]) for N in rows},
+              "draftsmith_kernel": {f"N{N}": decode_kernel(N, shape["heads"] // shape["kv_heads"],
+                                                           cuda and flash.triton is not None) for N in rows},
               "variants": measure(shape, rows, cols, device, dtype)}
     result["wall_s"] = round(time.perf_counter() - t, 1)
     if a.out:

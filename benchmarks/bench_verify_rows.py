@@ -19,8 +19,9 @@ One process, four parts, the JSON rewritten after each (a kill keeps what ran):
                      and to the best M = 1: "linears"; summed over one forward (32 layers' q..down + lm_head):
                      "linear_forward_ms", "linear_forward_ratio_to_best_1row"
   (b) forward        the whole target forward on the engine's fast path (FastTarget, CUDA graphs, batch 1,
-                     --context cache columns filled) over 1, 2, 4, 8, 16 rows, evaluate.verify_gemm cublas
-                     and skinny, two interleaved passes (the lower median of each): "forward_ms",
+                     --context cache columns filled) over 1, 2, 4, 8, 16 rows, per setting (SETTINGS:
+                     evaluate.verify_gemm cublas or skinny, draft/flash_decode.py's attention off or on),
+                     two interleaved passes (the lower median of each): "forward_ms",
                      "forward_ratio_to_own_1row", "forward_ratio_to_best_1row", plain decoding's ms a step
                      per setting ("plain_ms_per_step"), and whether a verify forward's row 0 equals the
                      one-row forward's logits ("row0_equal_1row"). Headline: verify_rows16_cost_ratio =
@@ -36,6 +37,7 @@ whose CUDA-graph capture fails is timed from the host instead: its "host_launche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -49,7 +51,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_engine import CONFIGS, build_drafter, build_target, kernel_profile  # noqa: E402
-from draftsmith.fileio import atomic_write_json# noqa: E402
+from draftsmith.draft import flash_decode as flash  # noqa: E402
+from draftsmith.fileio import atomic_write_json  # noqa: E402
 from draftsmith.evaluate.costs import measure_step_costs  # noqa: E402
 from draftsmith.speculate import skinny  # noqa: E402
 from draftsmith.speculate.cache import CAPTURE_FALLBACKS  # noqa: E402
@@ -59,7 +62,20 @@ from draftsmith.speculate.methods import DecodeRunners  # noqa: E402
 ROWS = (1, 2, 4, 8, 16)
 PER_LAYER = ("q", "k", "v", "o", "gate", "up", "down")
 CANDIDATES = ("cublas", "cublaslt", "skinny", "compile")
-SETTINGS = ("cublas", "skinny")
+SETTINGS = {"cublas": ("cublas", False), "skinny": ("skinny", False), "cublas_flash": ("cublas", True),
+            "skinny_flash": ("skinny", True)}
+"""setting -> (evaluate.verify_gemm, whether decode_attention may take draft/flash_decode.py's kernel; without
+it the multi-row attention is fold_mm and one row SDPA, as before the kernel)."""
+
+
+@contextlib.contextmanager
+def attention_setting(setting: str):
+    """flash_decode on or off for one setting's graph captures and forwards."""
+    saved, flash.ENABLED = flash.ENABLED, SETTINGS[setting][1]
+    try:
+        yield
+    finally:
+        flash.ENABLED = saved
 
 
 def error(e: BaseException) -> str:
@@ -223,9 +239,9 @@ def forward_part(result: dict, target, drafter, mode: str, context: list[int], r
                  profile: bool, deadline: float, save) -> None:
     """(b) and (c): the whole forward per verify_gemm setting, `passes` interleaved passes."""
     runners, meds, profiles = {}, {}, result["profiles"]
-    for s in SETTINGS:
+    for s, (gemm, _) in SETTINGS.items():
         try:
-            runners[s] = DecodeRunners(target, drafter, mode, verify_gemm=s)
+            runners[s] = DecodeRunners(target, drafter, mode, verify_gemm=gemm)
         except Exception as e:  # noqa: BLE001 (e.g. skinny without Triton)
             result["forward_errors"][s] = error(e)
     for p in range(passes):
@@ -242,7 +258,8 @@ def forward_part(result: dict, target, drafter, mode: str, context: list[int], r
                         profiles.setdefault(s, {})[f"rows_{n}"] = {"error": error(e)}
 
             try:
-                costs = measure_step_costs(target, drafter, context, repeats=reps, runners=r, probe=probe)
+                with attention_setting(s):
+                    costs = measure_step_costs(target, drafter, context, repeats=reps, runners=r, probe=probe)
             except Exception as e:  # noqa: BLE001
                 result["forward_errors"][s] = error(e)
                 continue
@@ -266,23 +283,29 @@ def forward_part(result: dict, target, drafter, mode: str, context: list[int], r
             result["skipped"].append(f"plain {s}")
             continue
         try:
-            ft = r.get(1)[0]
-            n_new = 32
-            plain_generate(target, context, n_new, fast=ft)  # warm-up: the plain graph
-            ts = []
-            for _ in range(3):
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                plain_generate(target, context, n_new, fast=ft)
-                ts.append(time.perf_counter() - t0)
-            result["plain_ms_per_step"][s] = round(1000 * sorted(ts)[1] / n_new, 4)
-            a, b = row0_logits(ft, context, 1), row0_logits(ft, context, max(ROWS))
-            result["row0_equal_1row"][s] = {"equal": bool(torch.equal(a, b)), "max_abs_diff": float((a - b).abs().max()),
-                                            "argmax_equal": bool(a.argmax() == b.argmax())}
+            with attention_setting(s):
+                plain_row0(result, s, r, target, context)
         except Exception as e:  # noqa: BLE001
             result["plain_ms_per_step"][s] = error(e)
         save()
+
+
+def plain_row0(result: dict, s: str, r, target, context: list[int]) -> None:
+    """Plain decoding's ms a step on setting s, and row 0 of a 16-row forward against the 1-row forward."""
+    ft = r.get(1)[0]
+    n_new = 32
+    plain_generate(target, context, n_new, fast=ft)  # warm-up: the plain graph
+    ts = []
+    for _ in range(3):
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plain_generate(target, context, n_new, fast=ft)
+        ts.append(time.perf_counter() - t0)
+    result["plain_ms_per_step"][s] = round(1000 * sorted(ts)[1] / n_new, 4)
+    a, b = row0_logits(ft, context, 1), row0_logits(ft, context, max(ROWS))
+    result["row0_equal_1row"][s] = {"equal": bool(torch.equal(a, b)), "max_abs_diff": float((a - b).abs().max()),
+                                    "argmax_equal": bool(a.argmax() == b.argmax())}
 
 
 def table(result: dict) -> str:

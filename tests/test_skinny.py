@@ -8,10 +8,6 @@ verify rows lossless. The GPU tests (marker gpu) run the compiled kernel and its
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +20,7 @@ from draftsmith.speculate.fast import FastTarget
 from draftsmith.speculate.proposer import PerSequence
 from draftsmith.speculate.engine import plain_generate
 from draftsmith.target.model import load_target
-from draftsmith.testing import make_model_dir
+from draftsmith.testing import make_model_dir, run_interpreted
 
 from test_engine import PROMPTS, OracleProposer
 
@@ -111,13 +107,7 @@ def test_kernel_under_the_interpreter_in_a_child_process(tmp_path):
     """The interpreted tests below, in a pytest process started with TRITON_INTERPRET=1."""
     if skinny.INTERPRET:
         pytest.skip("this process is the interpreted one")
-    src = str(Path(skinny.__file__).resolve().parents[2])  # the draftsmith this process imported
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted_",
-                        str(Path(__file__)), "--basetemp", str(tmp_path / "child")],
-                       env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+    run_interpreted(__file__, "interpreted_", tmp_path / "child")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

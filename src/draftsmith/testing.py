@@ -7,8 +7,10 @@ random weights.
 from __future__ import annotations
 
 import contextlib
-
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional
 
@@ -177,3 +179,16 @@ def killed_at_step(monkeypatch, step: int):
         yield
     finally:
         monkeypatch.setattr(loop, "append_jsonl", real)
+
+
+def run_interpreted(test_file: str | Path, keyword: str, basetemp: str | Path) -> None:
+    """The tests of test_file whose names hold `keyword`, in a pytest process started with TRITON_INTERPRET=1
+    (Triton reads it when it is imported, so the Triton kernels run on a CPU only in a process started with
+    it): asserts that they ran and passed, none skipped."""
+    src = str(Path(__file__).resolve().parents[1])  # the draftsmith this process imported
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", keyword,
+                        str(test_file), "--basetemp", str(basetemp)],
+                       env=env, cwd=Path(test_file).resolve().parent.parent, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]

@@ -15,13 +15,16 @@ rows makes few-row attention two batched matmuls that read each KV head once; th
 scores grow with rows times columns, so past a few dozen folded rows SDPA wins again (at S = 512
 and 8192 the order is the same). Hence:
 
-    N == 1                          SDPA with enable_gqa (a boolean mask stays boolean)
+    n_rep * N <= FLASH_ROWS, where flash_decode applies (Triton, CUDA, bf16/fp16, a boolean mask)
+                                    flash_decode (draft/flash_decode.py): one fused kernel reading each KV
+                                    head once, and a split combine
+    otherwise: N == 1               SDPA with enable_gqa (a boolean mask stays boolean)
     2 <= N, n_rep * N <= FOLD_ROWS  fold_mm
     n_rep * N > FOLD_ROWS           SDPA with enable_gqa
 
-N is a shape, so a captured CUDA graph holds one branch. The choice is the same on every device
-(CPU and GPU run one code path); on a CPU in float32 every branch equals SDPA's math within float
-rounding (tests/test_decode_attention.py).
+N is a shape, so a captured CUDA graph holds one branch. On a CPU (no Triton kernel) every branch
+but flash_decode runs, in float32 each equal to SDPA's math within float rounding; flash_decode runs
+there under Triton's interpreter (tests/test_decode_attention.py).
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import flash_decode as flash
+
+FLASH_ROWS = 256
+"""Most folded rows (query heads per KV head x query rows) that take flash_decode where it applies;
+more (a prefill) take SDPA's own kernels."""
 FOLD_ROWS = 68
 """Most folded rows (query heads per KV head x query rows) that take fold_mm. Measured: fold_mm beat
 SDPA at 8, 24 and 68 folded rows (N 2, 6, 17 at 4 query heads per KV head) and lost at 260 (N 65),
@@ -59,9 +67,11 @@ def scores(qf: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (qf @ k.transpose(-1, -2)).float()
 
 
-def decode_kernel(n_rows: int, n_rep: int) -> str:
-    """Which kernel `decode_attention` runs for n_rows query rows at n_rep query heads per KV head:
-    "sdpa" or "fold_mm"."""
+def decode_kernel(n_rows: int, n_rep: int, flash_applies: bool = False) -> str:
+    """Which kernel `decode_attention` runs for n_rows query rows at n_rep query heads per KV head
+    ("flash", "fold_mm" or "sdpa"); flash_applies: whether flash_decode can take the tensors."""
+    if flash_applies and n_rep * n_rows <= FLASH_ROWS:
+        return "flash"
     return "fold_mm" if n_rows > 1 and n_rep * n_rows <= FOLD_ROWS else "sdpa"
 
 
@@ -72,9 +82,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     q [B, H, N, D]; k [B, KVH, S, D]; v [B, KVH, S, Dv] (H a multiple of KVH; query head h reads KV
     head h // (H / KVH), as repeat_kv lays them out); mask [B or 1, 1, N, S]: bool (True = attend) or
     an additive float mask (HF's), or None (every column); a mask per head [.., H, N, S] takes SDPA.
-    scale defaults to D ** -0.5. Every row should see at least one column: fold_mm fills hidden
-    columns with float32's lowest value, not -inf, so a row that sees none averages every column
-    instead of giving NaN. Returns [B, H, N, Dv]."""
+    scale defaults to D ** -0.5. Every row should see at least one column: fold_mm and flash_decode
+    fill hidden columns with a finite lowest value, not -inf, so a row that sees none averages every
+    column instead of giving NaN. Returns [B, H, N, Dv] (flash_decode's: a view of [B, N, H, Dv] memory)."""
     B, H, N, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
     if H % KVH:
@@ -82,7 +92,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     n_rep = H // KVH
     if scale is None:
         scale = D ** -0.5
-    if decode_kernel(N, n_rep) == "sdpa" or (mask is not None and mask.shape[1] != 1):  # a per-head mask: SDPA
+    kernel = decode_kernel(N, n_rep, flash.applies(q, k, v, mask))
+    if kernel == "flash":
+        return flash.flash_decode(q, k, v, mask, scale)
+    if kernel == "sdpa" or (mask is not None and mask.shape[1] != 1):  # a per-head mask: SDPA
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=n_rep > 1)
     # fold_mm: the n_rep query heads of a KV head are rows (r, n) of that head: [B, KVH, n_rep * N, D]
     s = scores(q.reshape(B, KVH, n_rep * N, D), k) * scale

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..messages import DraftsmithError, log
+from ..tritonlib import INTERPRET, tl, triton
 
 MAX_ROWS = 16
 """Rows the kernel takes (x padded to them); more rows go to F.linear (prefills, large batches)."""
@@ -57,13 +57,6 @@ TUNE_LOG: dict[str, dict] = {}
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
-try:  # why guarded: CPU builds of torch ship no Triton, and CI must pass without it
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 (any import failure: no kernel)
-    triton = tl = None
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
