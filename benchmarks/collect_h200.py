@@ -12,7 +12,8 @@ pipeline on fp8 captures), k3/k7_eval_results.json (chain k sweeps), humaneval_e
 reference_training.json, train_metrics.jsonl, and where present train_manifest.json (the
 pipeline's training MFU), bench_capture.json, bench_train.json, bench_train_kimi.json (its Kimi probe replaces
 bench_train.json's), bench_train_real_h512/2048/4096.json (training on real captures), regen_manifest.json,
-profile_rounds.json, bench_engine.json (engine efficiency at fixed τ on the 8B-shaped pair) and
+profile_rounds.json, bench_engine.json (engine efficiency at fixed τ on the 8B-shaped pair, and its fraction of
+the weight-bandwidth ceiling), verify_rows.json (bench_verify_rows.py: a 16-row verify forward against one row) and
 bench_peer.json (the peer at equal data: peer_tau_ratio) and peer_temperatures.json (bench_peer.py --by-temperature:
 peer_tau_ratio_T<T>, each temperature against our recipe for it). Every figure is computed here from those files; nothing is typed in."""
 from __future__ import annotations
@@ -150,7 +151,7 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
                              "max_new_tokens": rg["config"]["max_new_tokens"], "batch_size": rg["config"]["batch_size"]}
     be = load("bench_engine.json", required=False)  # engine efficiency at fixed τ, 8B-shaped pair (driver step `engine`)
     if be:
-        keys = [k for k in be if k.startswith(("engine_eff_8b_", "plain_bw_fraction_8b_"))]
+        keys = [k for k in be if k.startswith(("engine_eff_8b_", "plain_bw_fraction_8b_", "engine_ceiling_fraction_"))]
         out.update({k: be[k] for k in keys + ["drafter_step_over_target_8b"] if k in be})
         if "planner_max_abs_err_pct" in be:  # chain calibrated per batch size; the tree is the test
             out["planner_max_abs_err_pct"] = be["planner_max_abs_err_pct"]
@@ -162,6 +163,12 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
             out["engine_8b_skipped"] = be["skipped"]
         if be.get("capture_fallbacks"):  # graphs that failed to capture: those calls were timed eagerly
             out["engine_8b_capture_fallbacks"] = be["capture_fallbacks"]
+    vr = load("verify_rows.json", required=False)  # bench_verify_rows.py: a k-row verify forward against one row
+    if vr and "verify_rows16_cost_ratio" in vr:
+        out["verify_rows16_cost_ratio"] = vr["verify_rows16_cost_ratio"]
+        out["verify_rows_cost_ratio"] = vr["verify_rows_cost_ratio"]
+        out["verify_rows16_cost_ratio_by_setting"] = vr["rows16_cost_ratio_by_setting"]
+        out["verify_rows_plain_ms_per_step"] = vr["plain_ms_per_step"]
     bp = load("bench_peer.json", required=False)  # the peer at equal data (driver step `peer`, bench_peer.py)
     if bp and "partial" in bp:
         sys.exit(f"{used['bench_peer.json']}: a partial bench_peer result ({bp['partial']}: its call was cut); "

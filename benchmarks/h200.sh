@@ -25,7 +25,8 @@
 # 8B-shaped random-weight target and an H 4096 drafter, batch 1/4/16, chain and tree, host and resident loops;
 # ENGINE_BUDGET seconds of measuring, ~200 s in all; engine2: another configuration, ENGINE2_ARGS) -> consistency (tests/test_consistency.py -m gpu: every
 # round's accepted count equals the drafter's teacher-forced prediction, graphs and resident paths, float32) -> verifyattn
-# (bench_verify_attention.py: one layer's attention at N verify rows against one row, per kernel, 8B shapes) -> explain (after
+# (bench_verify_attention.py: one layer's attention at N verify rows against one row, per kernel, 8B shapes) -> verifyrows
+# (bench_verify_rows.py: whole verify forwards of 1..16 rows per matmul and attention setting, VR_ARGS) -> explain (after
 # peer: explain_turns.py on its run folders, engine tau against teacher-forced tau per turn) -> peersweep (after peer:
 # ours at each of PEER_VARIANTS' settings against the same peer, its checkpoints and measurements reused). Also: random (random weights, speed only), speculative
 # (bench_speculative.py), fasttests, fast (plain decode vs bandwidth).
@@ -62,7 +63,7 @@ peer() { local name=$1 flags=$2 limit=$3  # bench_peer.py: speculators' trainer 
 fix="run bash benchmarks/gpu_inputs.sh here, then carry .whl and build/gpu"
 python3 -c "import jsonargparse" 2>/dev/null || { echo "h200.sh: jsonargparse is not importable and .whl/site is missing: $fix"
   exit 2; }
-for s in $STEPS; do case " engine engine2 verifyattn consistency gputests fasttests residenttests write train kimi " in
+for s in $STEPS; do case " engine engine2 verifyattn verifyrows consistency gputests fasttests residenttests write train kimi " in
   *" $s "*) ;; *) [ -f build/gpu/corpus.json ] || { echo "h200.sh: step $s needs build/gpu, which is missing: $fix"; exit 2; } ;;
 esac; done
 for s in $STEPS; do case $s in
@@ -160,6 +161,8 @@ for s in $STEPS; do case $s in
              step engine2 "${ENGINE2_LIMIT:-240}" python3 benchmarks/bench_engine.py --budget_s "${ENGINE2_BUDGET:-170}" \
                ${ENGINE2_ARGS:-} --out "$OUT/bench_engine2.json" ;;
   verifyattn) step verifyattn "${VA_LIMIT:-150}" python3 benchmarks/bench_verify_attention.py --out "$OUT/bench_verify_attention.json" ;;
+  verifyrows) step verifyrows "${VR_LIMIT:-290}" python3 benchmarks/bench_verify_rows.py --budget_s "${VR_BUDGET:-230}" \
+               ${VR_ARGS:-} --out "$OUT/verify_rows.json" ;;
   consistency) step consistency "${CONSISTENCY_LIMIT:-180}" python3 -m pytest -q -m gpu tests/test_consistency.py \
                -p no:cacheprovider ;;
   resident)  step resident "${RESIDENT_LIMIT:-200}" python3 benchmarks/bench_resident.py benchmarks/recipes/h200.yaml \

@@ -28,8 +28,10 @@ def test_bench_verify_rows_small(tmp_path, monkeypatch):
         assert "needs CUDA" in c["cublaslt"]["error"] and "needs CUDA" in c["compile"]["error"]
     assert set(d["linear_forward_ms"]) == {"cublas", "skinny"}
     assert all(r["skinny"]["rows_equal_1row"]["1"] for r in d["correctness"].values())
-    assert list(d["forward_ms"]) == ["cublas"] and list(d["forward_ms"]["cublas"]) == rows
+    # cublas_flash: decode_attention finds no kernel on a CPU and runs fold_mm / SDPA, as cublas
+    assert list(d["forward_ms"]) == ["cublas", "cublas_flash"] and list(d["forward_ms"]["cublas"]) == rows
     assert "evaluate.verify_gemm skinny" in d["forward_errors"]["skinny"]
+    assert "evaluate.verify_gemm skinny" in d["forward_errors"]["skinny_flash"]
     assert d["verify_rows16_cost_ratio"] == d["verify_rows_cost_ratio"]["16"] > 0
     assert d["plain_ms_per_step"]["cublas"] > 0 and "equal" in d["row0_equal_1row"]["cublas"]
     assert d["skipped"] == [] and d["capture_fallbacks"] == []
