@@ -20,7 +20,7 @@ from draftsmith.draft.attention import FLASH_ROWS, FOLD_ROWS, decode_attention, 
 from draftsmith.speculate.cache import additive
 from draftsmith.speculate.tree import committed_columns, device_tree_mask
 from draftsmith.target.model import load_target
-from draftsmith.testing import make_model_dir, run_interpreted
+from draftsmith.testing import interpreted_or_skip, make_model_dir, run_interpreted
 
 ROWS = [1, 2, 5, 17, 40]  # at 4 query heads per KV head: sdpa, fold_mm x3, sdpa (160 folded rows > FOLD_ROWS)
 
@@ -227,18 +227,11 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 @pytest.fixture
 def interpreted():
-    """flash_decode under Triton's interpreter: only in a process started with TRITON_INTERPRET=1
-    (test_flash_under_the_interpreter_in_a_child_process starts one); elsewhere skipped."""
-    if not (HAS_TRITON and flash.INTERPRET and flash.triton is not None):
-        pytest.skip("needs Triton and TRITON_INTERPRET=1 at start (test_flash_under_the_interpreter_in_a_child_process)")
-    return flash
+    return interpreted_or_skip(flash, "test_flash_under_the_interpreter_in_a_child_process")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_flash_under_the_interpreter_in_a_child_process(tmp_path):
     """The interpreted tests below, in a pytest process started with TRITON_INTERPRET=1."""
-    if flash.INTERPRET:
-        pytest.skip("this process is the interpreted one")
     run_interpreted(__file__, "interpreted_", tmp_path / "child")
 
 

@@ -20,7 +20,7 @@ from draftsmith.speculate.fast import FastTarget
 from draftsmith.speculate.proposer import PerSequence
 from draftsmith.speculate.engine import plain_generate
 from draftsmith.target.model import load_target
-from draftsmith.testing import make_model_dir, run_interpreted
+from draftsmith.testing import interpreted_or_skip, make_model_dir, run_interpreted
 
 from test_engine import PROMPTS, OracleProposer
 
@@ -93,20 +93,14 @@ def test_fast_target_with_skinny_on_a_cpu_is_a_config_error(tmp_path, no_kernel)
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """The skinny module with its kernels under Triton's interpreter. Triton reads TRITON_INTERPRET
-    when it is imported, so these tests run in a process started with it set
-    (test_kernel_under_the_interpreter_in_a_child_process starts one); elsewhere they are skipped."""
-    if not (HAS_TRITON and skinny.INTERPRET and skinny.triton is not None):
-        pytest.skip("needs Triton and TRITON_INTERPRET=1 at start (test_kernel_under_the_interpreter_in_a_child_process)")
+    """The skinny module with its kernels under Triton's interpreter (untuned)."""
+    interpreted_or_skip(skinny, "test_kernel_under_the_interpreter_in_a_child_process")
     monkeypatch.setattr(skinny, "TUNED", {})
     return skinny
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 def test_kernel_under_the_interpreter_in_a_child_process(tmp_path):
     """The interpreted tests below, in a pytest process started with TRITON_INTERPRET=1."""
-    if skinny.INTERPRET:
-        pytest.skip("this process is the interpreted one")
     run_interpreted(__file__, "interpreted_", tmp_path / "child")
 
 

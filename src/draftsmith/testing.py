@@ -181,10 +181,30 @@ def killed_at_step(monkeypatch, step: int):
         monkeypatch.setattr(loop, "append_jsonl", real)
 
 
+def interpreted_or_skip(module, starter: str):
+    """`module` (whose Triton kernels the test runs) in a process started with TRITON_INTERPRET=1, where
+    they run on a CPU; elsewhere the test is skipped (`starter`, run_interpreted's test, starts one)."""
+    import pytest
+
+    from .tritonlib import INTERPRET, triton
+
+    if not (INTERPRET and triton is not None and getattr(module, "triton", None) is not None):
+        pytest.skip(f"needs Triton and TRITON_INTERPRET=1 at start ({starter})")
+    return module
+
+
 def run_interpreted(test_file: str | Path, keyword: str, basetemp: str | Path) -> None:
     """The tests of test_file whose names hold `keyword`, in a pytest process started with TRITON_INTERPRET=1
     (Triton reads it when it is imported, so the Triton kernels run on a CPU only in a process started with
-    it): asserts that they ran and passed, none skipped."""
+    it): asserts that they ran and passed, none skipped. Skipped in that process itself and without Triton."""
+    import pytest
+
+    from .tritonlib import INTERPRET, triton
+
+    if triton is None:
+        pytest.skip("Triton is not installed")
+    if INTERPRET:
+        pytest.skip("this process is the interpreted one")
     src = str(Path(__file__).resolve().parents[1])  # the draftsmith this process imported
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", keyword,
