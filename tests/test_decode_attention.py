@@ -314,3 +314,24 @@ def test_flash_on_the_gpu(heads, kv_heads, D, Dv):
             for i in (0, N - 1):
                 one = flash.flash_decode(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], D ** -0.5, split_blocks=split_blocks)
                 assert torch.equal(one[:, :, 0], out[:, :, i]), (S, N, split_blocks, i)
+
+
+def test_a_flash_kernel_that_fails_falls_back_once(monkeypatch, capsys):
+    """Where the kernel cannot be built (an old Triton or GPU), decode_attention says so once and runs
+    the other kernels from then on, with the same result."""
+    monkeypatch.setattr(flash, "applies", lambda *a: flash.ENABLED)
+    monkeypatch.setattr(flash, "ENABLED", True)
+
+    def broken(*a, **kw):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_70\nmore")
+
+    monkeypatch.setattr(flash, "flash_decode", broken)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
+    mask = random_mask(1, 3, 10, g, tree=True)
+    out = decode_attention(q, k, v, mask, 0.5)
+    torch.testing.assert_close(out, reference(q, k, v, mask, 0.5), rtol=1e-5, atol=1e-5)
+    assert flash.ENABLED is False
+    decode_attention(q, k, v, mask, 0.5)
+    err = capsys.readouterr().err
+    assert err.count("[flash_decode] the kernel failed (RuntimeError: PTX .version 8.7") == 1

@@ -94,7 +94,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
         scale = D ** -0.5
     kernel = decode_kernel(N, n_rep, flash.applies(q, k, v, mask))
     if kernel == "flash":
-        return flash.flash_decode(q, k, v, mask, scale)
+        try:
+            return flash.flash_decode(q, k, v, mask, scale)
+        except Exception as e:  # noqa: BLE001 (a Triton that cannot compile it here: the kernels below, said once)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            flash.disable(e)
+            kernel = decode_kernel(N, n_rep)
     if kernel == "sdpa" or (mask is not None and mask.shape[1] != 1):  # a per-head mask: SDPA
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=n_rep > 1)
     # fold_mm: the n_rep query heads of a KV head are rows (r, n) of that head: [B, KVH, n_rep * N, D]

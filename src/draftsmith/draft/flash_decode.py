@@ -32,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from ..messages import log
 from ..tritonlib import INTERPRET, tl, triton
 
 BLOCK_R = 16
@@ -131,6 +132,14 @@ if triton is not None:
         head = (bh % KVH) * n_rep + r // N
         tl.store(out_ptr + b * sob + head * soh + (r % N) * son + offs_dv, o.to(out_ptr.dtype.element_ty),
                  mask=offs_dv < DV)
+
+
+def disable(error: BaseException) -> None:
+    """flash_decode off for this process after it failed (a Triton or GPU that cannot build it), said once."""
+    global ENABLED
+    ENABLED = False
+    log(f"[flash_decode] the kernel failed ({type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}); "
+        "decode_attention runs fold_mm and SDPA instead")
 
 
 def _pow2(x: int) -> int:
