@@ -28,6 +28,7 @@ Under TRITON_INTERPRET=1 it also runs on a CPU, in float32 as well (the tests).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -40,8 +41,9 @@ BLOCK_R = 16
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 32
 """Column splits at most (the combine kernel holds every split's partial row at once)."""
-ENABLED = True
-"""False: decode_attention never takes flash_decode (benchmarks set it to time the kernels it replaced)."""
+ENABLED = os.environ.get("DRAFTSMITH_FLASH_DECODE", "1") != "0"
+"""False (DRAFTSMITH_FLASH_DECODE=0 at start, or a failed build: disable): decode_attention never takes
+flash_decode (benchmarks set it to time the kernels it replaced)."""
 _DTYPES = (torch.bfloat16, torch.float16)
 _SM_COUNT: dict = {}
 
