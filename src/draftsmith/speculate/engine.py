@@ -106,7 +106,11 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
     out = timed("target_s", prefill, ids, pos, pad, max_new_tokens, n_rows)
     tokens = [list(p) + [pick(out.logits[b, -1], temperature, generator)] for b, p in enumerate(prompts)]
     new = [[t[-1]] for t in tokens]
-    done = [len(n) >= max_new_tokens or n[-1] in eos_ids for n in new]
+
+    def finished(n: list[int]) -> bool:  # a sequence's new tokens fill the budget or end in an EOS
+        return len(n) >= max_new_tokens or n[-1] in eos_ids
+
+    done = [finished(n) for n in new]
     start, end = pad.cpu(), torch.full((B,), P)  # host bookkeeping: no device reads per sequence
     if proposer is not None and not all(done):
         timed("draft_s", proposer.start, tokens,
@@ -123,7 +127,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
             for b in range(B):
                 if not done[b]:
                     commit_round(stats[b], empty, [], picked[b], tokens[b], new[b])
-                    done[b] = len(new[b]) >= max_new_tokens or new[b][-1] in eos_ids
+                    done[b] = finished(new[b])
             continue
         # Never draft past the token budget: the bonus token always fits.
         max_depth = [0 if done[b] else min(depth, max_new_tokens - len(new[b]) - 1) for b in range(B)]
@@ -155,7 +159,7 @@ def generate(target: Target, proposer: Optional[BatchProposer], prompts: list[li
                 continue
             path, bonus = accept_greedy(t, greedy[b]) if temperature <= 0 else accept_sampled(t, probs[b], generator)
             committed = commit_round(stats[b], t, path, bonus, tokens[b], new[b], eos_ids)
-            done[b] = len(new[b]) >= max_new_tokens or new[b][-1] in eos_ids
+            done[b] = finished(new[b])
             rows = [0] + [i + 1 for i in path]
             e = int(end[b])
             move_b += [b] * len(rows)
