@@ -504,6 +504,9 @@ def main(argv=None) -> int:
         inputs[loop] = {"planner": full, "planner_bs1": bs1}
         for B_str, row in result["runs"].items():
             B = int(B_str)
+            if row["methods"].get("chain", {}).get(loop) is None:
+                result.setdefault("planner_uncalibrated", []).append(f"bs{B}_{loop}")  # no chain: no overheads
+                continue
             for method, by_loop in row["methods"].items():
                 r = by_loop.get(loop)
                 if r is None:

@@ -150,6 +150,9 @@ def collect(dirs: list[Path], used: dict | None = None) -> dict:
                              "loss_tokens_per_s": rg["metrics"].get("loss_tokens_per_s"),
                              "max_new_tokens": rg["config"]["max_new_tokens"], "batch_size": rg["config"]["batch_size"]}
     be = load("bench_engine.json", required=False)  # engine efficiency at fixed τ, 8B-shaped pair (driver step `engine`)
+    if be and not any("chain" in row["methods"] for row in be["runs"].values()):
+        # the planner is calibrated on the chain's rounds: a run without one (e.g. the tree alone) has no planner figures
+        be = {k: v for k, v in be.items() if not k.startswith("planner")}
     if be:
         keys = [k for k in be if k.startswith(("engine_eff_8b_", "plain_bw_fraction_8b_", "engine_ceiling_fraction_"))]
         out.update({k: be[k] for k in keys + ["drafter_step_over_target_8b"] if k in be})
