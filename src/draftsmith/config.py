@@ -402,8 +402,10 @@ class EvaluateConfig:
     one-row step and every verify forward alike: cublas = torch's F.linear; skinny = a Triton kernel
     that reads each weight once whatever the row count, tuned per weight shape at the fast path's start
     (speculate/skinny.py; a verify row then rounds as the one-row step does); auto = skinny where it
-    runs (CUDA, Triton, bf16/fp16), else cublas. cublas until a GPU measurement shows the gain
-    (`benchmarks/bench_verify_rows.py`); skinny where the kernel cannot run is an error."""
+    runs (CUDA, Triton, bf16/fp16), else cublas. Measured on an H100 (8B-shaped Llama, BENCHMARKS.md,
+    twenty-seventh session): skinny is the faster at every row count, one row included (7.64 against
+    7.98 ms a forward); the default stays cublas until a pipeline run on the GPU reference target uses it.
+    skinny where the kernel cannot run is an error."""
     resident: bool = True
     """true (default): EAGLE-3 (chain or tree, greedy or sampled) on a fast path (static/graphs/compile;
     `fast: auto` on a GPU) runs each round on the device: drafting, tree selection, verification,
