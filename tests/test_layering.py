@@ -32,7 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                             # read them, so they sit below both, beside the other formats
                             "draftsmith.figures")),
     ("foundations", ("draftsmith.config", "draftsmith.messages", "draftsmith.fileio", "draftsmith.manifests",
-                     "draftsmith.rundir", "draftsmith.distributed", "draftsmith.costmodel", "draftsmith.compat")),
+                     "draftsmith.rundir", "draftsmith.distributed", "draftsmith.costmodel", "draftsmith.compat",
+                     "draftsmith.tritonlib")),
 ]
 PACKAGES = ("draftsmith", "draftsmith.data", "draftsmith.target", "draftsmith.draft", "draftsmith.figures")  # namespaces only: no code
 TOOLS = ("draftsmith.plan", "draftsmith.status", "draftsmith.doctor")
