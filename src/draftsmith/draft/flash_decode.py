@@ -79,13 +79,12 @@ if triton is not None:
         k_base = k_ptr + b * skb + kvh * skh
         v_base = v_ptr + b * svb + kvh * svh
         s_first = pid_s * split_len
-        s_end = s_first + split_len  # the split's end, or the cache's (below)
         m_i = tl.full([BLOCK_R], -1e38, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
-        for i in range(0, split_len // BLOCK_S):  # whole tiles (a tile past the cache's end: every load masked)
+        for i in range(0, split_len // BLOCK_S):  # the split's whole tiles (past the cache's end: loads masked)
             offs_s = s_first + i * BLOCK_S + tl.arange(0, BLOCK_S)
-            s_ok = (offs_s < s_end) & (offs_s < S)
+            s_ok = offs_s < S
             kt = tl.load(k_base + offs_s[None, :] * sks + offs_d[:, None], mask=d_ok[:, None] & s_ok[None, :], other=0.0)
             vt = tl.load(v_base + offs_s[:, None] * svs + offs_dv[None, :], mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
             if DOT_F32:

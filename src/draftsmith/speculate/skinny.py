@@ -58,7 +58,6 @@ TUNE_LOG: dict[str, dict] = {}
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-
 if triton is not None:
     @triton.jit(do_not_specialize=["M", "stride_os"])
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_os,
