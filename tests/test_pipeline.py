@@ -318,6 +318,17 @@ def test_a_killed_replacement_gives_the_old_output_back(tmp_path, target):
     assert _shards(run_dir / "data") == before and not (run_dir / ".data.previous").exists()
 
 
+def test_a_write_killed_in_the_run_folder_leaves_no_temp_file(tmp_path, target):
+    """kill -9 while recipe.yaml was being written: the next command removes the temp file the atomic write left."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, target, run_dir)
+    assert main(["prepare", str(recipe)]) == 0
+    stale = run_dir / ".recipe.yaml.tmp-11427-139725411658624"  # the soak's (benchmarks/soak.py) kill left this one
+    stale.write_text("half a recipe")
+    assert main(["prepare", str(recipe)]) == 0
+    assert not stale.exists() and (run_dir / "recipe.yaml").exists()
+
+
 LOCK_HOLDER = """
 import sys, time
 from draftsmith.rundir import RunLock

@@ -225,7 +225,11 @@ def _run_stage_locked(stage: str, recipe: Recipe, run_dir: Path, force: bool) ->
     out_dir = stage_dir(run_dir, stage)
     _check_stage_dir(out_dir)
     prev = previous_dir(out_dir)
-    if is_main_rank():  # a run that replaced a complete output died before writing anything: that output back
+    if is_main_rank():
+        # The run folder's own files an atomic write killed mid-way left (`.recipe.yaml.tmp-PID`, ...): only rank 0
+        # writes them, under the run lock. Then a run that replaced a complete output and died before writing
+        # anything: that output back.
+        remove_temp_files(run_dir)
         for name in STAGE_TABLE:
             d = stage_dir(run_dir, name)
             if previous_dir(d).exists() and not d.exists():
